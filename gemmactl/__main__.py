@@ -1,0 +1,3 @@
+from gemmactl.cli import main
+
+main()

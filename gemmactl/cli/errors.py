@@ -1,0 +1,53 @@
+"""The one table that turns exceptions into a one-line message, the next step and an exit code."""
+
+from __future__ import annotations
+
+import errno
+from typing import Callable
+
+import click
+
+from gemmactl.errors import GemmactlError
+
+DEBUG_HINT = "Rerun with --debug for the traceback."
+
+
+def _usage(exc: click.UsageError) -> tuple[str, str | None, int]:
+    ctx = exc.ctx
+    command = ctx.command_path if ctx is not None else "gemmactl"
+    return exc.format_message(), f"Run `{command} --help` for usage.", 2
+
+
+def _os_error(exc: OSError) -> tuple[str, str | None, int]:
+    if exc.errno == errno.ENOSPC:
+        return "no space left on device", "Free some disk space, or set GEMMACTL_HOME to a bigger disk.", 1
+    if isinstance(exc, PermissionError):
+        where = exc.filename or "a file"
+        return f"permission denied: {where}", "Check its permissions, or set GEMMACTL_HOME to a writable folder.", 1
+    return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""), DEBUG_HINT, 1
+
+
+# Order matters: the first matching type wins.
+ERROR_TABLE: list[tuple[type[BaseException], Callable[[BaseException], tuple[str, str | None, int]]]] = [
+    (GemmactlError, lambda exc: (exc.message, exc.hint, exc.exit_code)),
+    (click.UsageError, _usage),
+    (click.Abort, lambda exc: ("aborted", None, 1)),
+    (KeyboardInterrupt, lambda exc: ("interrupted", None, 130)),
+    (MemoryError, lambda exc: ("out of memory", "Use a smaller model or a smaller `context` in the recipe.", 1)),
+    (OSError, _os_error),
+]
+
+
+def describe_error(exc: BaseException) -> tuple[str, str | None, int]:
+    """(message, next step, exit code) for any exception."""
+    for kind, describe in ERROR_TABLE:
+        if isinstance(exc, kind):
+            return describe(exc)
+    return f"unexpected {type(exc).__name__}: {exc}", DEBUG_HINT + " Please report it.", 1
+
+
+def format_error_line(message: str, hint: str | None) -> str:
+    """One line: `Error: <what happened>. <what to do next>`."""
+    message = " ".join(message.split()).rstrip(".")
+    line = f"Error: {message}."
+    return f"{line} {hint}" if hint else line

@@ -1,0 +1,150 @@
+"""`gemmactl run`: one-shot generation through the tier router."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from gemmactl.cli.output import byte_progress, emit_json, human_bytes, progress_enabled
+
+
+@click.command("run")
+@click.argument("prompt", nargs=-1)
+@click.option("--tier", "tier", metavar="NAME", help="Use this tier, whatever the prefix or heuristic says.")
+@click.option("--model", "model", metavar="REF", help="A .gguf path or store name to use instead of the tier's model.")
+@click.option("--recipe", "recipe", metavar="FILE|NAME", help="Recipe of tiers (default: built-in 'default', or $GEMMACTL_RECIPE).")
+@click.option("--max-tokens", type=click.IntRange(min=1), help="Most tokens to generate (default: the tier's).")
+@click.option("--temperature", type=click.FloatRange(min=0.0), help="Sampling temperature; 0 is greedy (default: the tier's).")
+@click.option("--seed", type=int, help="Seed for sampling, for repeatable output.")
+@click.option("--show-thinking", is_flag=True, help="Also print what the model thinks before answering.")
+@click.option("--raw", is_flag=True, help="Send the prompt as is: no chat template, no question frame.")
+@click.option("--stats", is_flag=True, help="Print the routing decision and speed figures to stderr.")
+@click.option("--json", "json_mode", is_flag=True, help="Print one JSON object: answer, thinking, route and stats.")
+def run(prompt, tier, model, recipe, max_tokens, temperature, seed, show_thinking, raw, stats, json_mode):
+    """Answer a prompt with a local model, routed to a tier.
+
+    The answer streams to stdout as it is generated. The PROMPT comes from the arguments, or
+    from stdin when there are none. A prefix picks the
+    tier: `quick:`/`fast:` → fast, `deep:` → deep, `reason:`/`think:` → deep with thinking on;
+    without one a small heuristic decides (see docs/tiers.md).
+
+    \b
+    Examples:
+      gemmactl run "quick: What is the capital of France?"
+      echo "deep: prove that sqrt(2) is irrational" | gemmactl run --stats
+    """
+    from gemmactl.oneshot import open_backend, plan_run, resolve_run_model
+    from gemmactl.recipes import resolve_recipe
+    from gemmactl.runtime.base import GenerationStats, stream_generate
+    from gemmactl.store import Store
+
+    text = " ".join(prompt) if prompt else _read_stdin()
+    spec = plan_run(
+        text,
+        resolve_recipe(recipe),
+        tier=tier,
+        model=model,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        raw=raw,
+    )
+    store = Store()
+    with byte_progress("assembling the embedded model", progress_enabled(json_mode)) as progress:
+        model_path = resolve_run_model(spec, store, progress=progress)
+    backend = open_backend(spec, model_path)
+    try:
+        answer, thinking, final = [], [], None
+        printer = _StreamPrinter(show_thinking) if not json_mode else None
+        for event in stream_generate(backend, spec.request):
+            if isinstance(event, GenerationStats):
+                final = event
+                continue
+            (answer if event.channel == "answer" else thinking).append(event.text)
+            if printer:
+                printer.write(event.channel, event.text)
+        if printer:
+            printer.finish()
+    finally:
+        backend.close()
+
+    if json_mode:
+        emit_json(
+            {
+                "answer": "".join(answer).strip(),
+                "thinking": "".join(thinking).strip() or None,
+                "tier": spec.tier.name,
+                "route": {
+                    "tier": spec.route.tier,
+                    "reason": spec.route.reason,
+                    "prefix": spec.route.prefix,
+                    "thinking": spec.request.thinking,
+                },
+                "model": {"ref": spec.model_ref, "path": str(model_path), "backend": spec.tier.backend},
+                "stats": final.to_dict(),
+            }
+        )
+    if stats:
+        click.echo(_stats_text(spec, model_path, final, getattr(backend, "threads", None)), err=True)
+
+
+def _read_stdin() -> str:
+    if sys.stdin is None or sys.stdin.isatty():
+        return ""
+    return sys.stdin.read()
+
+
+class _StreamPrinter:
+    """Writes answer pieces to stdout as they come; thinking only when asked, marked off."""
+
+    def __init__(self, show_thinking: bool):
+        self.show_thinking = show_thinking
+        self.in_thinking = False
+        self.answer_started = False
+        self.wrote = ""
+
+    def write(self, channel: str, text: str) -> None:
+        if channel == "thinking":
+            if not self.show_thinking:
+                return
+            if not self.in_thinking:
+                self._out("Thinking...\n")
+                self.in_thinking = True
+        else:
+            if self.in_thinking:
+                self._out("\n...done thinking.\n\n")
+                self.in_thinking = False
+            if not self.answer_started:
+                # Completions start with the space that followed the prompt: not part of the answer.
+                text = text.lstrip()
+                self.answer_started = bool(text)
+        self._out(text)
+
+    def finish(self) -> None:
+        if self.in_thinking:
+            self._out("\n...done thinking.\n")
+        if self.wrote and not self.wrote.endswith("\n"):
+            self._out("\n")
+
+    def _out(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.wrote = text
+
+
+def _stats_text(spec, model_path, s, threads) -> str:
+    route = spec.route
+    thinking = "on" if spec.request.thinking else "off"
+    lines = [
+        f"route: tier {route.tier} ({route.reason}), thinking {thinking}",
+        f"model: {spec.model_ref} ({model_path}) on {spec.tier.backend}"
+        + (f", {threads} threads" if threads else "")
+        + f", prompt mode {s.prompt_mode}",
+        f"load {s.load_s:.2f} s · ttft {s.ttft_s:.3f} s · prompt {s.prompt_tokens} tok "
+        f"({s.prefill_tok_s:.1f} tok/s) · generated {s.generated_tokens} tok · "
+        f"decode {s.decode_tok_s:.1f} tok/s · wall {s.wall_tok_s:.1f} tok/s · "
+        f"peak RSS {human_bytes(s.peak_rss_bytes)} · stop: {s.stop_reason}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""`gemmactl list` and `gemmactl rm`: what the store holds."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from gemmactl.cli.output import emit_json, human_bytes, table
+
+
+@click.command("list")
+@click.option("--json", "json_mode", is_flag=True, help="Print the entries as a JSON array.")
+def list_cmd(json_mode: bool) -> None:
+    """List the models and artifacts in the store.
+
+    The store is $GEMMACTL_HOME (default: $XDG_DATA_HOME/gemmactl)."""
+    from gemmactl.store import Store
+
+    store = Store()
+    artifacts = store.list()
+    if json_mode:
+        emit_json([artifact.to_dict() for artifact in artifacts])
+        return
+    if not artifacts:
+        click.echo(f"The store at {store.home} is empty. `gemmactl run` adds the embedded model on first use.")
+        return
+    rows = [
+        [a.name, a.format, human_bytes(a.size), a.source, (a.revision or "")[:12], a.created[:19].replace("T", " ")]
+        for a in artifacts
+    ]
+    click.echo(table(rows, ["NAME", "FORMAT", "SIZE", "SOURCE", "REVISION", "CREATED"]))
+
+
+@click.command("rm")
+@click.argument("name")
+@click.option("-y", "--yes", is_flag=True, help="Remove without asking.")
+@click.option("--json", "json_mode", is_flag=True, help="Print what was removed as JSON.")
+def rm_cmd(name: str, yes: bool, json_mode: bool) -> None:
+    """Remove a model or artifact from the store.
+
+    Deletes NAME's entry and its files when they live inside the store; files elsewhere stay."""
+    from gemmactl.errors import ConfirmationRequiredError, StoreEntryNotFoundError
+    from gemmactl.store import Store
+
+    store = Store()
+    artifact = store.get(name)
+    if artifact is None:
+        raise StoreEntryNotFoundError(f"no entry named '{name}' in the store")
+    if not yes:
+        if sys.stdin is None or not sys.stdin.isatty():
+            raise ConfirmationRequiredError(
+                f"refusing to remove '{name}' without confirmation", hint="Pass --yes to remove it."
+            )
+        click.confirm(f"Remove '{name}' ({human_bytes(artifact.size)}, {artifact.path})?", abort=True)
+    removed = store.remove(name)
+    if json_mode:
+        emit_json({"removed": removed.to_dict()})
+    else:
+        click.echo(f"Removed {name} ({human_bytes(removed.size)}).")

@@ -1,0 +1,395 @@
+"""Recipes: YAML files that name a recipe's tiers and how each one runs.
+
+A recipe maps tier names (``fast``, ``deep``, ...) to a model, a backend, a context size and
+sampling settings. Every validation error names the field and the line it sits on, so a user
+can fix a hand-edited file without guessing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+
+import yaml
+from yaml.constructor import SafeConstructor
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from gemmactl.errors import RecipeError, UnknownTierError
+
+KNOWN_BACKENDS = ("llamacpp", "int4")
+EMBEDDED_MODEL = "embedded"
+DEFAULT_RECIPE = "default"
+RECIPE_ENV = "GEMMACTL_RECIPE"
+MIN_CONTEXT = 128
+TIER_NAME = re.compile(r"[a-z][a-z0-9_-]*")
+
+# Used when the package is run from a source tree, where recipes/ is not yet installed as
+# gemmactl.builtin_recipes.
+_SOURCE_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings passed to the backend for each generation."""
+
+    temperature: float = 1.0
+    top_k: int = 64
+    top_p: float = 0.95
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    max_tokens: int = 512
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One way of answering: a model, the backend that runs it, and its settings."""
+
+    name: str
+    model: str
+    backend: str = "llamacpp"
+    context: int = 4096
+    thinking: bool = False
+    sampling: Sampling = field(default_factory=Sampling)
+    description: str = ""
+    make: list[str] = field(default_factory=list)
+    needs: str = ""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named set of tiers, one of which answers when no other is chosen."""
+
+    name: str
+    description: str
+    default_tier: str
+    tiers: dict[str, Tier]
+    path: str | None = None
+
+    def tier(self, name: str) -> Tier:
+        """Return the tier called name, or raise UnknownTierError."""
+        try:
+            return self.tiers[name]
+        except KeyError:
+            raise unknown_tier_error(name, list(self.tiers), self.default_tier) from None
+
+
+def unknown_tier_error(name: str, tiers: Sequence[str], default_tier: str) -> UnknownTierError:
+    """Build the error for a tier name the recipe does not define."""
+    return UnknownTierError(
+        f"unknown tier '{name}'; this recipe has {', '.join(tiers)}",
+        hint=f"Pick one with --tier {default_tier}, or add the tier to the recipe.",
+    )
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+def load_recipe(path: str | os.PathLike[str]) -> Recipe:
+    """Read and validate the recipe file at path."""
+    file = Path(path)
+    if not file.is_file():
+        raise RecipeError(f"recipe file not found: {path}")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: recipe file is not UTF-8 text") from None
+    except OSError as exc:
+        raise RecipeError(f"cannot read recipe file {path}: {exc.strerror}") from None
+    return _parse(text, source=str(path), default_name=file.stem, path=str(path))
+
+
+def parse_recipe(text: str, source: str = "<string>") -> Recipe:
+    """Validate recipe YAML text; source names it in error messages."""
+    return _parse(text, source=source, default_name="recipe", path=None)
+
+
+def _parse(text: str, *, source: str, default_name: str, path: str | None) -> Recipe:
+    """Compose text into YAML nodes (which keep line numbers) and read a Recipe from them."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = f" line {mark.line + 1}" if mark else ""
+        # PyYAML splits its explanation: context says what it was doing, problem what went wrong.
+        problem = ", ".join(part for part in (exc.context, exc.problem) if part) or "cannot parse"
+        raise RecipeError(f"{source}{line}: invalid YAML: {problem}") from None
+    except yaml.YAMLError as exc:
+        # Reader errors (e.g. control characters) carry no mark; their text spans several lines.
+        raise RecipeError(f"{source}: invalid YAML: {str(exc).splitlines()[0]}") from None
+    if root is None:
+        raise RecipeError(f"{source} line 1: the recipe is empty; it needs at least 'tiers'")
+    return _Reader(source).recipe(root, default_name=default_name, path=path)
+
+
+# -- built-in recipes ----------------------------------------------------------------------------
+
+
+def builtin_recipe_names() -> list[str]:
+    """Names of the recipes shipped with gemmactl, sorted."""
+    return sorted(entry.name[: -len(".yaml")] for entry in _builtin_dir().iterdir() if entry.name.endswith(".yaml"))
+
+
+def builtin_recipe_path(name: str) -> Path:
+    """Path of the built-in recipe called name (".yaml" optional)."""
+    stem = name.removesuffix(".yaml")
+    if stem not in builtin_recipe_names():
+        raise _no_recipe(name)
+    entry = _builtin_dir() / f"{stem}.yaml"
+    return entry if isinstance(entry, Path) else Path(str(entry))
+
+
+def resolve_recipe(ref: str | None) -> Recipe:
+    """Load a recipe from a file path or built-in name; None means $GEMMACTL_RECIPE or "default"."""
+    from_env = ref is None and bool(os.environ.get(RECIPE_ENV))
+    if ref is None:
+        ref = os.environ.get(RECIPE_ENV) or DEFAULT_RECIPE
+    if Path(ref).is_file():
+        return load_recipe(ref)
+    if ref.removesuffix(".yaml") not in builtin_recipe_names():
+        raise _no_recipe(ref, from_env=from_env)
+    return load_recipe(builtin_recipe_path(ref))
+
+
+def _no_recipe(ref: str, *, from_env: bool = False) -> RecipeError:
+    """The error for a recipe reference that is neither a file nor a built-in name."""
+    names = ", ".join(builtin_recipe_names())
+    # A stale environment variable is easy to forget, so say where the name came from.
+    origin = f" (from ${RECIPE_ENV})" if from_env else ""
+    return RecipeError(
+        f"no recipe '{ref}'{origin}: not a file and not a built-in ({names})",
+        hint="Pass a path to a recipe .yaml file or one of the built-in names.",
+    )
+
+
+def _builtin_dir() -> Traversable:
+    """Directory holding the built-in recipes, installed or in the source tree."""
+    try:
+        return resources.files("gemmactl.builtin_recipes")
+    except ModuleNotFoundError:
+        return _SOURCE_RECIPES
+
+
+# -- validation ----------------------------------------------------------------------------------
+
+_TOP_KEYS = ("name", "description", "default_tier", "tiers")
+_TIER_KEYS = ("model", "backend", "context", "thinking", "sampling", "description", "make", "needs")
+_SAMPLING_KEYS = tuple(f.name for f in fields(Sampling))
+
+
+@dataclass(frozen=True)
+class _Field:
+    """A mapping entry: its key, dotted path, key node (for its line) and value node."""
+
+    name: str
+    path: str
+    key: Node
+    value: Node
+
+
+class _Reader:
+    """Turns a composed YAML node tree into a Recipe, failing with field paths and lines."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def error(self, node: Node, message: str) -> RecipeError:
+        """A RecipeError pointing at node's line (1-based)."""
+        return RecipeError(f"{self.source} line {node.start_mark.line + 1}: {message}")
+
+    def recipe(self, root: Node, *, default_name: str, path: str | None) -> Recipe:
+        """Read the top-level mapping."""
+        if not isinstance(root, MappingNode):
+            raise self.error(root, f"the top level must be a mapping of recipe fields, got {_shown(root)}")
+        entries = self.fields(root, "", _TOP_KEYS, required=("tiers",), anchor=root)
+        name = self.string(entries["name"], non_empty=True) if "name" in entries else default_name
+        description = self.string(entries["description"]) if "description" in entries else ""
+        tiers = self.tiers(entries["tiers"])
+        if "default_tier" in entries:
+            entry = entries["default_tier"]
+            default_tier = self.string(entry, non_empty=True)
+            if default_tier not in tiers:
+                raise self.error(
+                    entry.value, f"default_tier '{default_tier}' is not one of the tiers ({', '.join(tiers)})"
+                )
+        else:
+            default_tier = "fast" if "fast" in tiers else next(iter(tiers))
+        return Recipe(name=name, description=description, default_tier=default_tier, tiers=tiers, path=path)
+
+    def tiers(self, entry: _Field) -> dict[str, Tier]:
+        """Read the tiers mapping, keeping the file's order."""
+        node = entry.value
+        if _is_null(node) or (isinstance(node, MappingNode) and not node.value):
+            raise self.error(entry.key, "tiers must define at least one tier, e.g. 'fast:' with a 'model:'")
+        tiers: dict[str, Tier] = {}
+        for tier_entry in self.entries(node, "tiers"):
+            name = tier_entry.name
+            if not TIER_NAME.fullmatch(name):
+                raise self.error(
+                    tier_entry.key, f"{tier_entry.path}: tier names must match {TIER_NAME.pattern}, got '{name}'"
+                )
+            tiers[name] = self.tier(name, tier_entry)
+        return tiers
+
+    def tier(self, name: str, entry: _Field) -> Tier:
+        """Read one tier; absent keys keep Tier's defaults."""
+        values = self.fields(entry.value, entry.path, _TIER_KEYS, required=("model",), anchor=entry.key)
+        model = self.string(values["model"], non_empty=True)
+        changes: dict[str, object] = {}
+        if "backend" in values:
+            backend = self.string(values["backend"])
+            if backend not in KNOWN_BACKENDS:
+                raise self.error(
+                    values["backend"].value,
+                    f"{values['backend'].path} must be one of {', '.join(KNOWN_BACKENDS)}, got '{backend}'",
+                )
+            changes["backend"] = backend
+        if "context" in values:
+            changes["context"] = self.integer(values["context"], MIN_CONTEXT, f"an integer of at least {MIN_CONTEXT}")
+        if "thinking" in values:
+            changes["thinking"] = self.boolean(values["thinking"])
+        if "sampling" in values:
+            changes["sampling"] = self.sampling(values["sampling"])
+        if "description" in values:
+            changes["description"] = self.string(values["description"])
+        if "make" in values:
+            changes["make"] = self.string_list(values["make"])
+        if "needs" in values:
+            changes["needs"] = self.string(values["needs"])
+        return Tier(name=name, model=model, **changes)  # type: ignore[arg-type]
+
+    def sampling(self, entry: _Field) -> Sampling:
+        """Read a tier's sampling mapping; absent keys keep Sampling's defaults."""
+        values = self.fields(entry.value, entry.path, _SAMPLING_KEYS, required=(), anchor=entry.key)
+        checks: dict[str, tuple[Callable[[float], bool], str]] = {
+            "temperature": (lambda v: v >= 0, "a number >= 0"),
+            "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+            "min_p": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+            "repeat_penalty": (lambda v: v > 0, "a number > 0"),
+        }
+        changes: dict[str, object] = {}
+        for key, value in values.items():
+            if key == "top_k":
+                changes[key] = self.integer(value, 0, "a non-negative integer (0 turns it off)")
+            elif key == "max_tokens":
+                changes[key] = self.integer(value, 1, "a positive integer")
+            else:
+                ok, expected = checks[key]
+                changes[key] = self.number(value, ok, expected)
+        return Sampling(**changes)  # type: ignore[arg-type]
+
+    # -- structure --------------------------------------------------------------------------------
+
+    def entries(self, node: Node, path: str) -> list[_Field]:
+        """The entries of a mapping node, with string keys and no duplicates."""
+        if not isinstance(node, MappingNode):
+            raise self.error(node, f"{path or 'the top level'} must be a mapping, got {_shown(node)}")
+        seen: set[str] = set()
+        result = []
+        for key_node, value_node in node.value:
+            key = _scalar(key_node)
+            if not isinstance(key, str):
+                raise self.error(key_node, f"{path or 'the top level'}: keys must be names, got {_shown(key_node)}")
+            dotted = f"{path}.{key}" if path else key
+            if key in seen:
+                raise self.error(key_node, f"{dotted} is given twice")
+            seen.add(key)
+            result.append(_Field(key, dotted, key_node, value_node))
+        return result
+
+    def fields(
+        self, node: Node, path: str, allowed: Sequence[str], *, required: Sequence[str], anchor: Node
+    ) -> dict[str, _Field]:
+        """A mapping's entries by key, rejecting unknown keys and reporting missing ones at anchor."""
+        if _is_null(node) and required:
+            raise self.error(anchor, f"{path} is missing required key '{required[0]}'")
+        if _is_null(node):
+            return {}
+        result: dict[str, _Field] = {}
+        for entry in self.entries(node, path):
+            key = entry.name
+            if key not in allowed:
+                close = difflib.get_close_matches(key, allowed, n=1)
+                guess = f" (did you mean '{close[0]}'?)" if close else ""
+                raise self.error(
+                    entry.key, f"unknown key '{entry.path}'{guess}; allowed keys are {', '.join(allowed)}"
+                )
+            result[key] = entry
+        for key in required:
+            if key not in result:
+                where = path or "the recipe"
+                raise self.error(anchor, f"{where} is missing required key '{key}'")
+        return result
+
+    # -- scalars ----------------------------------------------------------------------------------
+
+    def string(self, entry: _Field, *, non_empty: bool = False) -> str:
+        """A string value (quoted or not); numbers and booleans are refused."""
+        value = _scalar(entry.value)
+        if not isinstance(value, str) or (non_empty and not value.strip()):
+            expected = "a non-empty string" if non_empty else "a string"
+            raise self.error(entry.value, f"{entry.path} must be {expected}, got {_shown(entry.value)}")
+        return value
+
+    def integer(self, entry: _Field, minimum: int, expected: str) -> int:
+        """An integer of at least minimum; booleans do not count as integers."""
+        value = _scalar(entry.value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.error(entry.value, f"{entry.path} must be {expected}, got {_shown(entry.value)}")
+        return value
+
+    def number(self, entry: _Field, ok: Callable[[float], bool], expected: str) -> float:
+        """A finite int or float value accepted by ok."""
+        value = _scalar(entry.value)
+        valid = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not valid or not math.isfinite(value) or not ok(value):
+            raise self.error(entry.value, f"{entry.path} must be {expected}, got {_shown(entry.value)}")
+        return float(value)
+
+    def boolean(self, entry: _Field) -> bool:
+        """A YAML boolean; the quoted string "true" is refused so a typo is not silently truthy."""
+        value = _scalar(entry.value)
+        if not isinstance(value, bool):
+            raise self.error(entry.value, f"{entry.path} must be true or false, got {_shown(entry.value)}")
+        return value
+
+    def string_list(self, entry: _Field) -> list[str]:
+        """A list of non-empty strings."""
+        node = entry.value
+        if not isinstance(node, SequenceNode):
+            raise self.error(node, f"{entry.path} must be a list of commands, got {_shown(node)}")
+        items = []
+        for index, item in enumerate(node.value):
+            items.append(self.string(_Field(str(index), f"{entry.path}[{index}]", item, item), non_empty=True))
+        return items
+
+
+def _scalar(node: Node) -> object:
+    """The Python value of a scalar node (as yaml.safe_load would give it), or the node itself."""
+    if not isinstance(node, ScalarNode):
+        return node
+    # A fresh constructor each time: it caches by node and would otherwise grow without bound.
+    return SafeConstructor().construct_object(node)
+
+
+def _is_null(node: Node) -> bool:
+    """Whether node is an empty or null scalar, as in 'key:' with nothing after it."""
+    return isinstance(node, ScalarNode) and node.tag == "tag:yaml.org,2002:null"
+
+
+def _shown(node: Node) -> str:
+    """How a value appears in an error message: quoted strings, raw YAML for the rest."""
+    if isinstance(node, MappingNode):
+        return "a mapping"
+    if isinstance(node, SequenceNode):
+        return "a list"
+    if _is_null(node):
+        return "nothing"
+    value = _scalar(node)
+    return repr(value) if isinstance(value, str) else str(node.value)

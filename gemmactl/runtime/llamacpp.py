@@ -1,0 +1,207 @@
+"""The llama.cpp backend: a GGUF model in process through llama-cpp-python."""
+
+from __future__ import annotations
+
+import codecs
+import os
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from typing import Iterator
+
+from gemmactl.errors import BackendError
+from gemmactl.prompting import build_prompt_text
+from gemmactl.runtime.base import EngineTimings, GenerationRequest, PreparedPrompt
+
+DEBUG_HINT = "Rerun with --debug for details."
+# llama.cpp's "pick a random seed" value.
+RANDOM_SEED = 0xFFFFFFFF
+
+
+def default_threads() -> int:
+    """Threads for decode: every core this process may use (llama-cpp-python's default is half)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def use_extra_buffers(lib) -> bool:
+    """Whether llama.cpp may use its extra CPU weight buffers (repacked and AMX layouts).
+
+    The AMX matmul of the llama.cpp in llama-cpp-python 0.3.36 segfaults on AMX CPUs (seen with
+    Gemma 3 270M Q4_K_M on a Sapphire-Rapids-class Xeon), so builds with AMX run without the
+    extra buffers. GEMMACTL_LLAMA_EXTRA_BUFFERS=on|off overrides the choice.
+    """
+    setting = os.environ.get("GEMMACTL_LLAMA_EXTRA_BUFFERS", "auto").lower()
+    if setting in ("on", "1", "true"):
+        return True
+    if setting in ("off", "0", "false"):
+        return False
+    return "AMX_INT8 = 1" not in lib.llama_print_system_info().decode(errors="replace")
+
+
+_PARAMS_LOCK = threading.Lock()
+_LOG_LINES: deque[str] = deque(maxlen=400)
+_LOG_HANDLER = None  # keeps the ctypes callback alive while llama.cpp holds it
+
+
+def capture_llama_logs(lib) -> deque[str]:
+    """Route llama.cpp's log into a ring buffer instead of stderr (kept for diagnostics)."""
+    global _LOG_HANDLER
+    if _LOG_HANDLER is None:
+
+        def handler(level, text, user_data):
+            _LOG_LINES.append(text.decode("utf-8", errors="replace"))
+
+        _LOG_HANDLER = lib.llama_log_callback(handler)
+        lib.llama_log_set(_LOG_HANDLER, None)
+    return _LOG_LINES
+
+
+@contextmanager
+def _model_params(lib, **fields):
+    """Set model-param fields that llama-cpp-python's Llama() does not take as arguments.
+
+    Llama() builds its params from llama_model_default_params(); wrap that maker while one
+    model loads (under a lock, so concurrent loads do not see each other's wrapper).
+    """
+    module = lib.llama_cpp
+    original = module.llama_model_default_params
+
+    def with_fields():
+        params = original()
+        for name, value in fields.items():
+            setattr(params, name, value)
+        return params
+
+    with _PARAMS_LOCK:
+        module.llama_model_default_params = with_fields
+        try:
+            yield
+        finally:
+            module.llama_model_default_params = original
+
+
+class LlamaCppBackend:
+    """One GGUF model loaded by llama.cpp, generating token by token."""
+
+    name = "llamacpp"
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        context_size: int = 4096,
+        n_gpu_layers: int = -1,
+        n_threads: int | None = None,
+        extra_args: dict | None = None,
+    ):
+        try:
+            import llama_cpp
+        except ImportError as exc:  # pragma: no cover - it is a hard dependency
+            raise BackendError(
+                f"llama-cpp-python is not importable ({exc})",
+                hint="Reinstall gemmactl: pip install --force-reinstall llama-cpp-python==0.3.36",
+            ) from exc
+        self._lib = llama_cpp
+        self.model_path = str(model_path)
+        capture_llama_logs(llama_cpp)
+        threads = n_threads or default_threads()
+        self.extra_buffers = use_extra_buffers(llama_cpp)
+        start = time.perf_counter()
+        try:
+            with _model_params(llama_cpp, use_extra_bufts=self.extra_buffers):
+                self._llm = llama_cpp.Llama(
+                    model_path=self.model_path,
+                    n_ctx=context_size,
+                    n_gpu_layers=n_gpu_layers,
+                    n_threads=threads,
+                    n_threads_batch=threads,
+                    seed=RANDOM_SEED,
+                    verbose=False,
+                    **(extra_args or {}),
+                )
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise BackendError(
+                f"llama.cpp could not load {self.model_path}: {exc}",
+                hint="Check that the file is a complete GGUF (`gemmactl list` shows its size); "
+                "rerun with --debug for details.",
+            ) from exc
+        self.load_s = time.perf_counter() - start
+        self.context_size = self._llm.n_ctx()
+        self.threads = threads
+        self.metadata = dict(self._llm.metadata)
+        self.chat_template = self.metadata.get("tokenizer.chat_template") or None
+
+    # -- Backend protocol ------------------------------------------------------------------------
+
+    def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        """Build the prompt text for this model and tokenize it."""
+        built = build_prompt_text(
+            request.prompt,
+            chat_template=self.chat_template,
+            bos_token=self._token_text(self._llm.token_bos()),
+            eos_token=self._token_text(self._llm.token_eos()),
+            thinking=request.thinking,
+            raw=request.raw,
+            system=request.system,
+        )
+        # special=True: the template's turn markers must become their control tokens.
+        tokens = self._llm.tokenize(
+            built.text.encode("utf-8"), add_bos=built.add_bos, special=built.mode == "chat-template"
+        )
+        return PreparedPrompt(tokens=tokens, mode=built.mode, stops=built.stops, text=built.text)
+
+    def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str]:
+        """Yield each new token's text; stop at an end-of-generation token or max_tokens."""
+        llm, lib = self._llm, self._lib
+        llm.set_seed(RANDOM_SEED if request.seed is None else request.seed)
+        lib.llama_perf_context_reset(llm.ctx)
+        vocab = llm._model.vocab
+        # Tokens can end mid-character: decode UTF-8 incrementally across tokens.
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # Start from an empty KV cache: llama-cpp-python's prefix reuse trims the cache of a
+        # sliding-window (iSWA) model such as Gemma 3 wrongly, and greedy output then differs
+        # from a fresh run (tests/test_llamacpp_backend.py shows it).
+        llm.reset()
+        tokens = llm.generate(
+            prompt.tokens,
+            temp=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p,
+            min_p=request.min_p,
+            repeat_penalty=request.repeat_penalty,
+            reset=True,
+        )
+        for _ in range(request.max_tokens):
+            try:
+                token = next(tokens)
+            except StopIteration:
+                return
+            except RuntimeError as exc:  # llama_decode failed (e.g. out of KV cache)
+                raise BackendError(f"llama.cpp failed while generating: {exc}", hint=DEBUG_HINT) from exc
+            if lib.llama_vocab_is_eog(vocab, token):
+                return
+            # An incomplete character at the very end of generation is dropped.
+            yield decoder.decode(llm.detokenize([token]))
+
+    def engine_timings(self) -> EngineTimings | None:
+        data = self._lib.llama_perf_context(self._llm.ctx)
+        return EngineTimings(
+            prefill_s=data.t_p_eval_ms / 1000,
+            prefill_tokens=data.n_p_eval,
+            decode_s=data.t_eval_ms / 1000,
+            decode_tokens=data.n_eval,
+        )
+
+    def close(self) -> None:
+        self._llm.close()
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return self._llm.detokenize([token], special=True).decode("utf-8", errors="replace")

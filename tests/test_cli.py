@@ -1,0 +1,123 @@
+"""The CLI shell: lazy commands, help, the error table, exit codes."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+
+import click
+import pytest
+
+from conftest import invoke, run_gemmactl
+from gemmactl.cli import COMMANDS, cli
+from gemmactl.cli.errors import describe_error, format_error_line
+from gemmactl.errors import ModelNotFoundError, UnknownTierError
+
+
+def test_help_lists_every_registered_command(runner):
+    result = invoke(runner, ["--help"])
+    assert result.exit_code == 0
+    for name, (_, _, short) in COMMANDS.items():
+        assert name in result.output
+        assert short in result.output
+
+
+def test_registered_commands_import_and_match_their_help():
+    """The short help in the table is the first line of the command's own docstring."""
+    for name in COMMANDS:
+        command = cli.get_command(None, name)
+        assert command is not None, name
+        assert command.name == name
+        assert command.help.splitlines()[0].rstrip(".") in COMMANDS[name][2]
+
+
+def test_help_imports_no_heavy_module():
+    code = (
+        "import sys\n"
+        "from gemmactl.cli import cli\n"
+        "try:\n"
+        "    cli.main(['--help'], standalone_mode=False)\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = [m for m in ('llama_cpp', 'torch', 'transformers', 'yaml', 'jinja2', 'tqdm') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "HEAVY []" in out
+
+
+def test_version(runner):
+    result = invoke(runner, ["--version"])
+    assert result.exit_code == 0
+    assert "gemmactl" in result.output
+
+
+def test_unknown_command_is_one_line_exit_2():
+    proc = run_gemmactl(["frobnicate"])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "No such command 'frobnicate'" in lines[0]
+    assert "gemmactl --help" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_option_value_is_one_line_exit_2(runner):
+    result = invoke(runner, ["run", "--max-tokens", "0", "hello"])
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1
+    assert "--max-tokens" in result.stderr
+    assert "gemmactl run --help" in result.stderr
+
+
+def test_error_table_maps_library_errors():
+    assert describe_error(UnknownTierError("unknown tier 'x'", hint="Pick one."))[2] == 2
+    message, hint, code = describe_error(ModelNotFoundError("no such model file: x"))
+    assert code == 2 and "gemmactl list" in hint
+
+
+def test_error_table_maps_os_errors():
+    message, hint, code = describe_error(OSError(errno.ENOSPC, "No space left on device"))
+    assert (message, code) == ("no space left on device", 1)
+    assert "GEMMACTL_HOME" in hint
+    message, hint, code = describe_error(PermissionError(errno.EACCES, "denied", "/x/manifest.json"))
+    assert "/x/manifest.json" in message and code == 1
+
+
+def test_unexpected_errors_point_at_debug():
+    message, hint, code = describe_error(ZeroDivisionError("division by zero"))
+    assert code == 1 and "ZeroDivisionError" in message and "--debug" in hint
+
+
+def test_usage_error_names_the_command_help():
+    @click.command("demo")
+    def demo():
+        pass
+
+    ctx = click.Context(demo, info_name="demo")
+    message, hint, code = describe_error(click.UsageError("bad", ctx=ctx))
+    assert code == 2 and "demo --help" in hint
+
+
+@pytest.mark.parametrize(
+    "message, hint, expected",
+    [
+        ("unknown tier 'x'", "Pick one.", "Error: unknown tier 'x'. Pick one."),
+        ("already ends.", None, "Error: already ends."),
+        ("spans\ntwo lines", None, "Error: spans two lines."),
+    ],
+)
+def test_format_error_line(message, hint, expected):
+    assert format_error_line(message, hint) == expected
+
+
+def test_debug_shows_traceback_and_plain_run_does_not(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    plain = run_gemmactl(["run", "--model", str(missing), "hello"])
+    assert plain.returncode == 2
+    assert "Traceback" not in plain.stderr
+    debug = run_gemmactl(["--debug", "run", "--model", str(missing), "hello"])
+    assert debug.returncode == 2
+    assert "Traceback" in debug.stderr
+    assert debug.stderr.strip().splitlines()[-1].startswith("Error: no such model file")

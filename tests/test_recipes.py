@@ -1,0 +1,338 @@
+"""Tests for gemmactl.recipes: the shipped recipes, validation errors, and recipe lookup."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gemmactl.errors import RecipeError, UnknownTierError
+from gemmactl.recipes import (
+    KNOWN_BACKENDS,
+    Recipe,
+    Sampling,
+    Tier,
+    builtin_recipe_names,
+    builtin_recipe_path,
+    load_recipe,
+    parse_recipe,
+    resolve_recipe,
+)
+
+MINIMAL = "tiers:\n  fast:\n    model: embedded\n"
+
+
+@pytest.fixture(autouse=True)
+def _no_recipe_env(monkeypatch):
+    """Keep a GEMMACTL_RECIPE from the developer's shell out of every test."""
+    monkeypatch.delenv("GEMMACTL_RECIPE", raising=False)
+
+
+# -- shipped recipes -----------------------------------------------------------------------------
+
+
+def test_builtin_names():
+    assert builtin_recipe_names() == ["default", "gemma4-4gb"]
+
+
+def test_default_recipe_uses_embedded_model_everywhere():
+    recipe = resolve_recipe("default")
+    assert recipe.name == "default"
+    assert recipe.default_tier == "fast"
+    assert list(recipe.tiers) == ["fast", "deep"]
+    for tier in recipe.tiers.values():
+        assert tier.model == "embedded"
+        assert tier.backend == "llamacpp"
+        assert tier.context == 2048
+        assert tier.make == []
+        assert tier.needs == ""
+        assert tier.sampling.temperature == 0.7
+        assert tier.sampling.top_k == 40
+        assert tier.sampling.top_p == 0.95
+        assert tier.sampling.repeat_penalty == 1.1
+    assert recipe.tier("fast").sampling.max_tokens == 128
+    assert recipe.tier("deep").sampling.max_tokens == 256
+
+
+def test_gemma4_4gb_recipe():
+    recipe = resolve_recipe("gemma4-4gb")
+    assert recipe.default_tier == "fast"
+    assert list(recipe.tiers) == ["fast", "deep"]
+
+    fast = recipe.tier("fast")
+    assert fast.model == "gemma-4-E2B-it-Q4_K_M"
+    assert fast.backend == "llamacpp"
+    assert fast.context == 8192
+    assert (fast.sampling.temperature, fast.sampling.top_k, fast.sampling.top_p) == (1.0, 64, 0.95)
+    assert fast.make == [
+        "gemmactl pull google/gemma-4-E2B-it",
+        "gemmactl quantize google/gemma-4-E2B-it --gguf Q4_K_M",
+    ]
+    assert fast.needs == ""
+
+    deep = recipe.tier("deep")
+    assert deep.model == "gemma-4-E4B-it-int4"
+    assert deep.backend == "int4"
+    assert deep.context == 8192
+    assert deep.make == [
+        "gemmactl pull google/gemma-4-E4B-it",
+        "gemmactl quantize google/gemma-4-E4B-it --int4-stream",
+    ]
+    assert deep.needs == "the int4 runtime, which this version of gemmactl does not include yet"
+
+
+@pytest.mark.parametrize("name", ["default", "gemma4-4gb"])
+def test_builtin_backends_are_known(name):
+    assert all(tier.backend in KNOWN_BACKENDS for tier in resolve_recipe(name).tiers.values())
+
+
+# -- parsing ---------------------------------------------------------------------------------------
+
+
+def test_minimal_recipe_gets_defaults():
+    recipe = parse_recipe(MINIMAL)
+    assert recipe.default_tier == "fast"
+    assert recipe.path is None
+    assert recipe.tiers["fast"] == Tier(name="fast", model="embedded")
+    assert recipe.tiers["fast"].sampling == Sampling()
+    assert recipe.tiers["fast"].backend == "llamacpp"
+
+
+def test_default_tier_falls_back_to_first_tier_without_fast():
+    recipe = parse_recipe("tiers:\n  small:\n    model: a\n  big:\n    model: b\n")
+    assert recipe.default_tier == "small"
+    assert list(recipe.tiers) == ["small", "big"]
+
+
+def test_default_tier_prefers_fast_even_when_not_first():
+    recipe = parse_recipe("tiers:\n  deep:\n    model: a\n  fast:\n    model: b\n")
+    assert recipe.default_tier == "fast"
+    assert list(recipe.tiers) == ["deep", "fast"]
+
+
+def test_full_tier_parses():
+    recipe = parse_recipe(
+        textwrap.dedent(
+            """\
+            name: mine
+            description: my recipe
+            default_tier: deep
+            tiers:
+              fast:
+                model: embedded
+              deep:
+                model: /models/x.gguf
+                backend: int4
+                context: 128
+                thinking: yes
+                description: big one
+                make: [a, b]
+                needs: a GPU
+                sampling:
+                  temperature: 0
+                  top_k: 0
+                  top_p: 1
+                  min_p: 0.05
+                  repeat_penalty: 1.2
+                  max_tokens: 1
+            """
+        )
+    )
+    assert (recipe.name, recipe.description, recipe.default_tier) == ("mine", "my recipe", "deep")
+    deep = recipe.tier("deep")
+    assert deep == Tier(
+        name="deep",
+        model="/models/x.gguf",
+        backend="int4",
+        context=128,
+        thinking=True,
+        sampling=Sampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.05, repeat_penalty=1.2, max_tokens=1),
+        description="big one",
+        make=["a", "b"],
+        needs="a GPU",
+    )
+
+
+def test_unknown_tier():
+    recipe = parse_recipe("tiers:\n  fast:\n    model: a\n  deep:\n    model: b\n")
+    with pytest.raises(UnknownTierError) as info:
+        recipe.tier("huge")
+    assert str(info.value) == "unknown tier 'huge'; this recipe has fast, deep"
+    assert info.value.hint == "Pick one with --tier fast, or add the tier to the recipe."
+
+
+# Each case: recipe text, text the message must contain (naming the field), 1-based line.
+MALFORMED = [
+    pytest.param("tiers:\n  fast:\n    model: [a\n", "invalid YAML", 4, id="yaml-syntax"),
+    pytest.param("tiers:\n  fast:\n\tmodel: a\n", "invalid YAML", 3, id="yaml-tab"),
+    pytest.param("", "needs at least 'tiers'", 1, id="empty-file"),
+    pytest.param("- fast\n- deep\n", "top level must be a mapping", 1, id="top-level-list"),
+    pytest.param("just text\n", "top level must be a mapping", 1, id="top-level-scalar"),
+    pytest.param("name: x\ndescription: y\n", "missing required key 'tiers'", 1, id="missing-tiers"),
+    pytest.param("name: x\ntier:\n  fast: {}\n", "unknown key 'tier' (did you mean 'tiers'?)", 2, id="unknown-top-key"),
+    pytest.param(MINIMAL + "    temp: 1\n", "unknown key 'tiers.fast.temp'", 4, id="unknown-tier-key"),
+    pytest.param(
+        MINIMAL + "    sampling:\n      topk: 3\n", "unknown key 'tiers.fast.sampling.topk'", 5, id="unknown-sampling-key"
+    ),
+    pytest.param("tiers:\n  fast:\n    backend: llamacpp\n", "tiers.fast is missing required key 'model'", 2, id="missing-model"),
+    pytest.param("tiers:\n  fast:\n", "tiers.fast is missing required key 'model'", 2, id="null-tier"),
+    pytest.param("tiers:\n  fast: embedded\n", "tiers.fast must be a mapping, got 'embedded'", 2, id="tier-not-mapping"),
+    pytest.param("tiers: {}\n", "tiers must define at least one tier", 1, id="empty-tiers"),
+    pytest.param("name: x\ntiers:\n", "tiers must define at least one tier", 2, id="null-tiers"),
+    pytest.param("tiers:\n  - fast\n", "tiers must be a mapping, got a list", 2, id="tiers-list"),
+    pytest.param("tiers:\n  Fast:\n    model: a\n", "tiers.Fast: tier names must match", 2, id="tier-name-upper"),
+    pytest.param("tiers:\n  1st:\n    model: a\n", "tiers.1st: tier names must match", 2, id="tier-name-digit"),
+    pytest.param("tiers:\n  fast:\n    model: 7\n", "tiers.fast.model must be a non-empty string, got 7", 3, id="model-int"),
+    pytest.param("tiers:\n  fast:\n    model: ''\n", "tiers.fast.model must be a non-empty string", 3, id="model-empty"),
+    pytest.param(MINIMAL + "    backend: vllm\n", "tiers.fast.backend must be one of llamacpp, int4, got 'vllm'", 4, id="backend"),
+    pytest.param(MINIMAL + "    context: abc\n", "tiers.fast.context must be an integer of at least 128, got 'abc'", 4, id="context-str"),
+    pytest.param(MINIMAL + "    context: 64\n", "tiers.fast.context must be an integer of at least 128, got 64", 4, id="context-small"),
+    pytest.param(MINIMAL + "    context: -4096\n", "tiers.fast.context", 4, id="context-negative"),
+    pytest.param(MINIMAL + "    context: 4096.5\n", "tiers.fast.context", 4, id="context-float"),
+    pytest.param(MINIMAL + "    context: true\n", "tiers.fast.context", 4, id="context-bool"),
+    pytest.param(MINIMAL + "    thinking: 'true'\n", "tiers.fast.thinking must be true or false, got 'true'", 4, id="thinking-str"),
+    pytest.param(MINIMAL + "    thinking: 1\n", "tiers.fast.thinking must be true or false, got 1", 4, id="thinking-int"),
+    pytest.param(MINIMAL + "    description: [a]\n", "tiers.fast.description must be a string, got a list", 4, id="description"),
+    pytest.param(MINIMAL + "    needs: 3\n", "tiers.fast.needs must be a string, got 3", 4, id="needs"),
+    pytest.param(MINIMAL + "    make: gemmactl pull x\n", "tiers.fast.make must be a list of commands", 4, id="make-str"),
+    pytest.param(MINIMAL + "    make:\n      - ok\n      - 5\n", "tiers.fast.make[1] must be a non-empty string", 6, id="make-item"),
+    pytest.param(MINIMAL + "    sampling: 0.7\n", "tiers.fast.sampling must be a mapping", 4, id="sampling-scalar"),
+    pytest.param(
+        MINIMAL + "    sampling:\n      temperature: -0.1\n",
+        "tiers.fast.sampling.temperature must be a number >= 0, got -0.1",
+        5,
+        id="temperature-negative",
+    ),
+    pytest.param(
+        MINIMAL + "    sampling:\n      temperature: hot\n", "tiers.fast.sampling.temperature", 5, id="temperature-str"
+    ),
+    pytest.param(
+        MINIMAL + "    sampling:\n      temperature: .nan\n", "tiers.fast.sampling.temperature", 5, id="temperature-nan"
+    ),
+    pytest.param(MINIMAL + "    sampling:\n      top_p: 0\n", "tiers.fast.sampling.top_p must be a number in (0, 1]", 5, id="top-p-zero"),
+    pytest.param(MINIMAL + "    sampling:\n      top_p: 1.5\n", "tiers.fast.sampling.top_p", 5, id="top-p-big"),
+    pytest.param(MINIMAL + "    sampling:\n      min_p: -1\n", "tiers.fast.sampling.min_p", 5, id="min-p"),
+    pytest.param(MINIMAL + "    sampling:\n      top_k: -1\n", "tiers.fast.sampling.top_k must be a non-negative integer", 5, id="top-k"),
+    pytest.param(MINIMAL + "    sampling:\n      repeat_penalty: 0\n", "tiers.fast.sampling.repeat_penalty", 5, id="repeat-penalty"),
+    pytest.param(
+        MINIMAL + "    sampling:\n      max_tokens: 0\n", "tiers.fast.sampling.max_tokens must be a positive integer", 5, id="max-tokens"
+    ),
+    pytest.param(
+        "default_tier: deep\n" + MINIMAL, "default_tier 'deep' is not one of the tiers (fast)", 1, id="default-tier-missing"
+    ),
+    pytest.param("default_tier: 3\n" + MINIMAL, "default_tier must be a non-empty string", 1, id="default-tier-int"),
+    pytest.param("name: ''\n" + MINIMAL, "name must be a non-empty string", 1, id="name-empty"),
+    pytest.param(MINIMAL + "  fast:\n    model: b\n", "tiers.fast is given twice", 4, id="duplicate-tier"),
+    pytest.param(MINIMAL + "    model: b\n", "tiers.fast.model is given twice", 4, id="duplicate-key"),
+]
+
+
+@pytest.mark.parametrize(("text", "expected", "line"), MALFORMED)
+def test_malformed_recipe(text, expected, line):
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(text, source="recipes/x.yaml")
+    message = str(info.value)
+    assert message.startswith(f"recipes/x.yaml line {line}: "), message
+    assert expected in message, message
+    assert "\n" not in message
+
+
+def test_unknown_key_lists_allowed_keys():
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(MINIMAL + "    gpu: yes\n")
+    assert "allowed keys are model, backend, context, thinking, sampling, description, make, needs" in str(info.value)
+
+
+def test_error_carries_hint():
+    with pytest.raises(RecipeError) as info:
+        parse_recipe("tiers: {}\n")
+    assert info.value.hint
+    assert info.value.exit_code == 2
+
+
+# -- files and lookup ----------------------------------------------------------------------------
+
+
+def test_load_recipe_reports_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(MINIMAL + "    context: abc\n")
+    with pytest.raises(RecipeError, match=r"bad\.yaml line 4: tiers\.fast\.context"):
+        load_recipe(path)
+
+
+def test_load_recipe_names_recipe_after_file(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(MINIMAL)
+    recipe = load_recipe(path)
+    assert recipe.name == "mine"
+    assert recipe.path == str(path)
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    assert str(info.value) == f"recipe file not found: {path}"
+
+
+def test_builtin_recipe_path():
+    path = builtin_recipe_path("gemma4-4gb")
+    assert isinstance(path, Path)
+    assert path.name == "gemma4-4gb.yaml"
+    assert path.is_file()
+    assert builtin_recipe_path("gemma4-4gb.yaml") == path
+
+
+def test_resolve_default():
+    recipe = resolve_recipe(None)
+    assert recipe.name == "default"
+    assert isinstance(recipe, Recipe)
+
+
+@pytest.mark.parametrize("ref", ["gemma4-4gb", "gemma4-4gb.yaml"])
+def test_resolve_builtin_by_name(ref):
+    assert resolve_recipe(ref).name == "gemma4-4gb"
+
+
+def test_resolve_by_path(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("name: mine\n" + MINIMAL)
+    assert resolve_recipe(str(path)).path == str(path)
+
+
+def test_resolve_file_wins_over_builtin_name(tmp_path, monkeypatch):
+    (tmp_path / "default").write_text("name: local\n" + MINIMAL)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_recipe("default").name == "local"
+
+
+def test_resolve_env_var_path(tmp_path, monkeypatch):
+    path = tmp_path / "env.yaml"
+    path.write_text("name: from-env\n" + MINIMAL)
+    monkeypatch.setenv("GEMMACTL_RECIPE", str(path))
+    assert resolve_recipe(None).name == "from-env"
+
+
+def test_resolve_env_var_builtin(monkeypatch):
+    monkeypatch.setenv("GEMMACTL_RECIPE", "gemma4-4gb")
+    assert resolve_recipe(None).name == "gemma4-4gb"
+
+
+def test_explicit_ref_wins_over_env_var(monkeypatch):
+    monkeypatch.setenv("GEMMACTL_RECIPE", "gemma4-4gb")
+    assert resolve_recipe("default").name == "default"
+
+
+def test_unknown_builtin():
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe("huge")
+    assert str(info.value) == "no recipe 'huge': not a file and not a built-in (default, gemma4-4gb)"
+    with pytest.raises(RecipeError, match="no recipe 'huge'"):
+        builtin_recipe_path("huge")
+
+
+def test_unknown_builtin_from_env_says_so(monkeypatch):
+    monkeypatch.setenv("GEMMACTL_RECIPE", "huge")
+    with pytest.raises(RecipeError, match=r"no recipe 'huge' \(from \$GEMMACTL_RECIPE\)"):
+        resolve_recipe(None)
