@@ -121,3 +121,28 @@ def test_debug_shows_traceback_and_plain_run_does_not(tmp_path):
     assert debug.returncode == 2
     assert "Traceback" in debug.stderr
     assert debug.stderr.strip().splitlines()[-1].startswith("Error: no such model file")
+
+
+def _doc_sections() -> dict[str, str]:
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    sections = {}
+    for chunk in text.split("\n## gemmactl ")[1:]:
+        name, _, body = chunk.partition("\n")
+        sections[name.strip()] = body
+    return sections
+
+
+def test_cli_reference_documents_every_command_and_option_and_nothing_else():
+    import re
+
+    sections = _doc_sections()
+    assert set(sections) == set(COMMANDS)
+    for name, body in sections.items():
+        command = cli.get_command(None, name)
+        options = {opt for param in command.params for opt in param.opts if opt.startswith("--")}
+        documented = set(re.findall(r"`(--[a-z-]+)", body))
+        table_rows = {opt for opt in documented if f"| `{opt}" in body or f", `{opt}`" in body}
+        assert options <= documented, f"{name}: undocumented {options - documented}"
+        assert table_rows <= options, f"{name}: documented but missing {table_rows - options}"

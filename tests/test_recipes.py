@@ -47,7 +47,7 @@ def test_default_recipe_uses_embedded_model_everywhere():
         assert tier.context == 2048
         assert tier.make == []
         assert tier.needs == ""
-        assert tier.sampling.temperature == 0.7
+        assert tier.sampling.temperature == 0.0
         assert tier.sampling.top_k == 40
         assert tier.sampling.top_p == 0.95
         assert tier.sampling.repeat_penalty == 1.1

@@ -170,3 +170,23 @@ def test_recipe_tier_on_a_missing_backend_says_what_it_needs(isolated_home):
     assert "int4" in line and "--tier fast" in line
     assert "gemmactl quantize google/gemma-4-E4B-it --int4-stream" in line
     assert not isolated_home.exists()
+
+
+def test_readme_quickstart_question_answers_paris(model_home):
+    proc = run_gemmactl(["run", "quick: What is the capital of France?"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "Paris"
+
+
+def test_prompt_words_are_joined_so_the_prefix_can_stand_alone(model_home, runner):
+    result = invoke(runner, ["run", "--json", "--max-tokens", "4", "deep:", "Who wrote Hamlet?"])
+    assert result.exit_code == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["tier"] == "deep" and payload["route"]["prefix"] == "deep:"
+    assert payload["answer"] and payload["stats"]["prompt_mode"] == "question-frame"
+
+
+def test_streamed_output_ends_with_a_newline(model_home):
+    proc = run_gemmactl(["run", "--max-tokens", "6", "--raw", "Once upon a time"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith("\n") and proc.stdout.strip()
