@@ -91,7 +91,7 @@ def main() -> None:
 
     from gemmactl.embedded import ensure_embedded_model
     from gemmactl.runtime.base import GenerationRequest
-    from gemmactl.runtime.llamacpp import LlamaCppBackend, _model_params, default_threads, use_extra_buffers
+    from gemmactl.runtime.llamacpp import LlamaCppBackend, override_model_params, default_threads, use_extra_buffers
     from gemmactl.store import Store
 
     model = args.model or ensure_embedded_model(Store()).path
@@ -101,7 +101,7 @@ def main() -> None:
 
     def load_raw(**kwargs):
         # Same extra-buffer setting as gemmactl: the library's default segfaults on AMX CPUs.
-        with _model_params(llama_cpp, use_extra_bufts=extra):
+        with override_model_params(llama_cpp, use_extra_bufts=extra):
             return llama_cpp.Llama(model_path=model, n_ctx=args.context, n_gpu_layers=-1, verbose=False, **kwargs)
 
     raw = load_raw(n_threads=threads, n_threads_batch=threads)

@@ -146,3 +146,20 @@ def test_cli_reference_documents_every_command_and_option_and_nothing_else():
         table_rows = {opt for opt in documented if f"| `{opt}" in body or f", `{opt}`" in body}
         assert options <= documented, f"{name}: undocumented {options - documented}"
         assert table_rows <= options, f"{name}: documented but missing {table_rows - options}"
+
+
+def test_stream_printer_hides_or_marks_thinking(capsys):
+    from gemmactl.cli.run import _StreamPrinter
+
+    events = [("thinking", "let me see"), ("answer", "  The answer"), ("answer", " is 4.")]
+    hidden = _StreamPrinter(show_thinking=False)
+    for channel, text in events:
+        hidden.write(channel, text)
+    hidden.finish()
+    assert capsys.readouterr().out == "The answer is 4.\n"
+
+    shown = _StreamPrinter(show_thinking=True)
+    for channel, text in events:
+        shown.write(channel, text)
+    shown.finish()
+    assert capsys.readouterr().out == "Thinking...\nlet me see\n...done thinking.\n\nThe answer is 4.\n"

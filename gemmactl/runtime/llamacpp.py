@@ -61,7 +61,7 @@ def capture_llama_logs(lib) -> deque[str]:
 
 
 @contextmanager
-def _model_params(lib, **fields):
+def override_model_params(lib, **fields):
     """Set model-param fields that llama-cpp-python's Llama() does not take as arguments.
 
     Llama() builds its params from llama_model_default_params(); wrap that maker while one
@@ -112,7 +112,7 @@ class LlamaCppBackend:
         self.extra_buffers = use_extra_buffers(llama_cpp)
         start = time.perf_counter()
         try:
-            with _model_params(llama_cpp, use_extra_bufts=self.extra_buffers):
+            with override_model_params(llama_cpp, use_extra_bufts=self.extra_buffers):
                 self._llm = llama_cpp.Llama(
                     model_path=self.model_path,
                     n_ctx=context_size,
