@@ -72,3 +72,18 @@ def run_gemmactl(args: list[str], env: dict | None = None, input: str | None = N
         env=full_env,
         timeout=timeout,
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4(tmp_path_factory):
+    """Factory: tiny_gemma4("dense-ple" | "shared-kv" | "moe") → a saved random checkpoint dir (cached per session)."""
+    from tiny_gemma4 import build_tiny_gemma4
+
+    built: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in built:
+            built[kind] = build_tiny_gemma4(kind, tmp_path_factory.mktemp(f"tiny-{kind}"))
+        return built[kind]
+
+    return make
