@@ -69,11 +69,83 @@ class ConfirmationRequiredError(UserInputError):
     pass
 
 
+class ToolchainMissingError(UserInputError):
+    """A program the build needs (cmake, ninja, a compiler, nvcc) is not installed."""
+
+
+class UnsupportedModelError(UserInputError):
+    """A checkpoint whose architecture gemmactl cannot convert or run."""
+
+
+class InvalidRepoIdError(UserInputError):
+    default_hint = "Pass the repo id as OWNER/NAME, as the hub shows it, e.g. google/gemma-4-E2B-it."
+
+
+class HubRepoNotFoundError(UserInputError):
+    default_hint = "Check the spelling on the hub; a private repo also needs HF_TOKEN (or --token)."
+
+
+class HubRevisionNotFoundError(UserInputError):
+    default_hint = "Pass a branch, tag or commit sha that exists in the repo (default: main)."
+
+
+class NoFilesSelectedError(UserInputError):
+    default_hint = "Run with --dry-run to see what would be taken; pick files with --include/--exclude or --quant."
+
+
+class NotACheckpointError(UserInputError):
+    default_hint = "Pass a Hugging Face checkpoint directory (config.json + *.safetensors) or the store name of one."
+
+
+class UnsupportedCheckpointError(UserInputError):
+    """A checkpoint with tensors int4-stream cannot quantize (dtype, values)."""
+
+
+class OutputExistsError(UserInputError):
+    """The output directory exists and would be overwritten."""
+
+
+class NotAnArtifactError(UserInputError):
+    default_hint = "Pass an int4-stream artifact directory (it holds index.json) or its store name; `gemmactl list` shows them."
+
+
 # -- runtime failures (exit 1) -------------------------------------------------------------------
 
 
 class StoreError(GemmactlError):
     """The store's files cannot be read or written."""
+
+
+class HubAccessError(GemmactlError):
+    """The hub refused access: a gated or private repo without a token that may read it."""
+
+    default_hint = "Accept the license on the model's hub page, then set HF_TOKEN (or pass --token) to a token of that account."
+
+
+class HubUnreachableError(GemmactlError):
+    default_hint = "Check the network (and HF_ENDPOINT), then rerun: completed files are kept and a partial file continues where it stopped."
+
+
+class HubError(GemmactlError):
+    """The hub answered with an error other than not-found or no-access."""
+
+    default_hint = "Rerun later: completed files are kept and a partial file continues where it stopped."
+
+
+class DiskSpaceError(GemmactlError):
+    default_hint = "Free some space, or point HF_HOME (or HF_HUB_CACHE) at a bigger disk; a rerun continues where it stopped."
+
+
+class IntegrityError(GemmactlError):
+    """A downloaded or cached file does not match the checksum the hub lists for it."""
+
+    default_hint = "The bad file was deleted; rerun `gemmactl pull` to fetch it again."
+
+
+class IncompleteSnapshotError(GemmactlError):
+    """Offline, and the cache lacks files of the snapshot (or never saw the repo)."""
+
+    default_hint = "Run the same pull once with network access (without --offline and HF_HUB_OFFLINE) to fetch them."
 
 
 class EmbeddedModelError(GemmactlError):
@@ -90,3 +162,19 @@ class BackendUnavailableError(GemmactlError):
 
 class BackendError(GemmactlError):
     """The inference backend failed to load a model or to generate."""
+
+
+class ArtifactCorruptError(GemmactlError):
+    """An artifact whose files do not match its index (truncated, changed, missing)."""
+
+    default_hint = "Make it again with `gemmactl quantize ... --force`."
+
+
+class ArtifactVersionError(GemmactlError):
+    """An artifact written in a newer version of its format than this gemmactl reads."""
+
+    default_hint = "Upgrade gemmactl: pip install --upgrade gemmactl"
+
+
+class BuildError(GemmactlError):
+    """Building llama.cpp, or a step of a conversion, failed."""

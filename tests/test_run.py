@@ -163,11 +163,12 @@ def test_recipe_tier_whose_model_is_not_made_says_which_command_makes_it(isolate
     assert "gemmactl quantize google/gemma-4-E2B-it --gguf Q4_K_M" in line
 
 
-def test_recipe_tier_on_a_missing_backend_says_what_it_needs(isolated_home):
+def test_recipe_int4_tier_whose_model_is_not_made_says_which_commands_make_it(isolated_home):
     proc = run_gemmactl(["run", "--recipe", "gemma4-4gb", "deep: hi"])
     assert proc.returncode == 1
     line = _one_error_line(proc.stderr)
-    assert "int4" in line and "--tier fast" in line
+    assert "gemma-4-E4B-it-int4" in line and "not in the store" in line
+    assert "gemmactl pull google/gemma-4-E4B-it" in line
     assert "gemmactl quantize google/gemma-4-E4B-it --int4-stream" in line
     assert not isolated_home.exists()
 

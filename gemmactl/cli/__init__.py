@@ -16,6 +16,11 @@ from gemmactl.cli.errors import describe_error, format_error_line
 # lists every command without importing any of them (or torch, or llama_cpp).
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("gemmactl.cli.run", "run", "Answer a prompt with a local model, routed to a tier."),
+    "build": ("gemmactl.cli.build", "build", "Build llama.cpp from source with the right kernels for this machine."),
+    "doctor": ("gemmactl.cli.doctor", "doctor", "Check the machine, the llama.cpp build, and where layers really run."),
+    "pull": ("gemmactl.cli.pull", "pull_cmd", "Download a model from the Hugging Face hub, verified and resumable."),
+    "quantize": ("gemmactl.cli.quantize", "quantize", "Quantize a checkpoint into an artifact a gemmactl backend runs."),
+    "inspect": ("gemmactl.cli.inspect_cmd", "inspect_cmd", "Show the size and layers of an int4-stream artifact, and verify it."),
     "list": ("gemmactl.cli.store_cmds", "list_cmd", "List the models and artifacts in the store."),
     "rm": ("gemmactl.cli.store_cmds", "rm_cmd", "Remove a model or artifact from the store."),
 }

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from gemmactl.cli.output import byte_progress, emit_json, human_bytes, progress_enabled
+from gemmactl.cli.output import byte_progress, emit_json, human_bytes, progress_enabled, warn
 
 
 @click.command("run")
@@ -53,7 +53,10 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, show_thinkin
     store = Store()
     with byte_progress("assembling the embedded model", progress_enabled(json_mode)) as progress:
         model_path = resolve_run_model(spec, store, progress=progress)
-    backend = open_backend(spec, model_path)
+    backend = open_backend(spec, model_path, store)
+    for notice in getattr(backend, "notices", []):
+        if not json_mode:
+            warn(notice)
     try:
         answer, thinking, final = [], [], None
         printer = _StreamPrinter(show_thinking) if not json_mode else None
@@ -81,12 +84,18 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, show_thinkin
                     "prefix": spec.route.prefix,
                     "thinking": spec.request.thinking,
                 },
-                "model": {"ref": spec.model_ref, "path": str(model_path), "backend": spec.tier.backend},
+                "model": {
+                    "ref": spec.model_ref,
+                    "path": str(model_path),
+                    "backend": spec.tier.backend,
+                    "library": getattr(backend, "library", None),
+                },
+                "notices": getattr(backend, "notices", []),
                 "stats": final.to_dict(),
             }
         )
     if stats:
-        click.echo(_stats_text(spec, model_path, final, getattr(backend, "threads", None)), err=True)
+        click.echo(_stats_text(spec, model_path, final, backend), err=True)
 
 
 def _read_stdin() -> str:
@@ -134,13 +143,14 @@ class _StreamPrinter:
             self.wrote = text
 
 
-def _stats_text(spec, model_path, s, threads) -> str:
+def _stats_text(spec, model_path, s, backend) -> str:
     route = spec.route
     thinking = "on" if spec.request.thinking else "off"
     lines = [
         f"route: tier {route.tier} ({route.reason}), thinking {thinking}",
         f"model: {spec.model_ref} ({model_path}) on {spec.tier.backend}"
-        + (f", {threads} threads" if threads else "")
+        + (f", {backend.threads} threads" if getattr(backend, "threads", None) else "")
+        + (f", library: {backend.library}" if getattr(backend, "library", None) else "")
         + f", prompt mode {s.prompt_mode}",
         f"load {s.load_s:.2f} s · ttft {s.ttft_s:.3f} s · prompt {s.prompt_tokens} tok "
         f"({s.prefill_tok_s:.1f} tok/s) · generated {s.generated_tokens} tok · "

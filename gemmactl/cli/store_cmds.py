@@ -35,11 +35,14 @@ def list_cmd(json_mode: bool) -> None:
 @click.command("rm")
 @click.argument("name")
 @click.option("-y", "--yes", is_flag=True, help="Remove without asking.")
+@click.option("--purge", is_flag=True, help="Also delete the Hugging Face cache files that only this pull uses.")
 @click.option("--json", "json_mode", is_flag=True, help="Print what was removed as JSON.")
-def rm_cmd(name: str, yes: bool, json_mode: bool) -> None:
+def rm_cmd(name: str, yes: bool, purge: bool, json_mode: bool) -> None:
     """Remove a model or artifact from the store.
 
-    Deletes NAME's entry and its files when they live inside the store; files elsewhere stay."""
+    Deletes NAME's entry and its files when they live inside the store; files elsewhere stay.
+    With --purge, a pulled model's files in the Hugging Face cache go too, except those another
+    store entry or another cached snapshot still uses."""
     from gemmactl.errors import ConfirmationRequiredError, StoreEntryNotFoundError
     from gemmactl.store import Store
 
@@ -52,9 +55,16 @@ def rm_cmd(name: str, yes: bool, json_mode: bool) -> None:
             raise ConfirmationRequiredError(
                 f"refusing to remove '{name}' without confirmation", hint="Pass --yes to remove it."
             )
-        click.confirm(f"Remove '{name}' ({human_bytes(artifact.size)}, {artifact.path})?", abort=True)
+        also = " and purge its Hugging Face cache files" if purge else ""
+        click.confirm(f"Remove '{name}' ({human_bytes(artifact.size)}, {artifact.path}){also}?", abort=True)
     removed = store.remove(name)
+    purged = None
+    if purge:
+        from gemmactl.hub_cache import purge_pull
+
+        purged = purge_pull(removed.extra, removed.revision, [(a.revision, a.extra) for a in store.list()])
     if json_mode:
-        emit_json({"removed": removed.to_dict()})
+        emit_json({"removed": removed.to_dict(), **({"purged": vars(purged)} if purged else {})})
     else:
-        click.echo(f"Removed {name} ({human_bytes(removed.size)}).")
+        freed = f"; purged {purged.files} cache files ({human_bytes(purged.bytes)})" if purged else ""
+        click.echo(f"Removed {name} ({human_bytes(removed.size)}){freed}.")

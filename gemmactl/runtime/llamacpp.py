@@ -43,7 +43,7 @@ def use_extra_buffers(lib) -> bool:
 
 
 _PARAMS_LOCK = threading.Lock()
-_LOG_LINES: deque[str] = deque(maxlen=400)
+_LOG_LINES: deque[str] = deque(maxlen=2000)
 _LOG_HANDLER = None  # keeps the ctypes callback alive while llama.cpp holds it
 
 
@@ -52,7 +52,14 @@ def capture_llama_logs(lib) -> deque[str]:
     global _LOG_HANDLER
     if _LOG_HANDLER is None:
 
+        debug = {"last": False}
+
         def handler(level, text, user_data):
+            # ggml levels: 1 info, 2 warn, 3 error, 4 debug, 5 continues the previous line.
+            if level == 4 or (level == 5 and debug["last"]):
+                debug["last"] = True
+                return
+            debug["last"] = False
             _LOG_LINES.append(text.decode("utf-8", errors="replace"))
 
         _LOG_HANDLER = lib.llama_log_callback(handler)
@@ -97,7 +104,11 @@ class LlamaCppBackend:
         n_gpu_layers: int = -1,
         n_threads: int | None = None,
         extra_args: dict | None = None,
+        library=None,
     ):
+        # library: a gemmactl.llamacpp.library.LibraryChoice, applied before llama_cpp is imported.
+        self.library = library.label if library else "llama-cpp-python's own"
+        self.notices: list[str] = list(library.notices) if library else []
         try:
             import llama_cpp
         except ImportError as exc:  # pragma: no cover - it is a hard dependency

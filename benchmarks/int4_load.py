@@ -1,0 +1,162 @@
+"""int4-stream on this machine: quantize throughput and peak RSS, and reload time against bf16 safetensors.
+
+Every measurement runs in a fresh process (peak RSS from wait4, timing inside the process after
+its imports), interleaved across variants, with the page cache warm (one untimed run first):
+
+  quantize          `gemmactl quantize CKPT --int4-stream` as a user runs it: wall time, peak RSS,
+                    against the peak RSS of a process that only imports the same modules
+  int4 packed       open the artifact and map every record's packed parts, touching every page:
+                    what a packed-weight runtime needs before its first token
+  int4 → HF f32/bf16  open, dequantize and assign into a transformers model (the `int4` backend today)
+  HF bf16/f32       AutoModelForCausalLM.from_pretrained(CKPT) of the bf16 safetensors checkpoint
+
+    python benchmarks/int4_load.py --checkpoint DIR [--group-size 32] [--repeats 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BASELINE = "import torch, safetensors.torch, gemmactl.cli.quantize, gemmactl.quantize, gemmactl.formats.int4.quantize"
+
+LOADERS = {
+    "int4 packed": """
+import mmap, time
+from gemmactl.formats.int4.reader import open_artifact
+start = time.perf_counter()
+artifact = open_artifact(PATH)
+touched = 0
+for record in artifact.records:
+    for part in artifact.packed(record).parts.values():
+        flat = part.reshape(-1).view(torch.uint8)
+        touched += int(flat[:: mmap.PAGESIZE].sum())  # read one byte per page: every page in memory
+""",
+    "int4 -> HF f32": """
+import time
+from gemmactl.formats.int4.reader import open_artifact
+from gemmactl.runtime.int4_dequant import build_model
+start = time.perf_counter()
+model = build_model(open_artifact(PATH), torch.float32)
+""",
+    "int4 -> HF bf16": """
+import time
+from gemmactl.formats.int4.reader import open_artifact
+from gemmactl.runtime.int4_dequant import build_model
+start = time.perf_counter()
+model = build_model(open_artifact(PATH), torch.bfloat16)
+""",
+    "HF bf16": """
+import time
+from transformers import AutoModelForCausalLM
+start = time.perf_counter()
+model = AutoModelForCausalLM.from_pretrained(CKPT, dtype=torch.bfloat16)
+""",
+    "HF f32": """
+import time
+from transformers import AutoModelForCausalLM
+start = time.perf_counter()
+model = AutoModelForCausalLM.from_pretrained(CKPT, dtype=torch.float32)
+""",
+}
+
+
+def run_child(args: list[str], env: dict | None = None) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS bytes, stdout) of one child process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    out = proc.stdout.read().decode()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"child failed: {' '.join(args)}")
+    return wall, usage.ru_maxrss * 1024, out
+
+
+def python_child(code: str) -> list[str]:
+    return [sys.executable, "-c", "import torch, transformers, gemmactl.formats.int4.reader\n" + code]
+
+
+def loader_code(name: str, artifact: Path, checkpoint: Path) -> str:
+    body = LOADERS[name].replace("PATH", repr(str(artifact))).replace("CKPT", repr(str(checkpoint)))
+    return body + "\nprint(time.perf_counter() - start)\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, type=Path)
+    parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quantize-repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    from gemmactl.formats.int4.checkpoint import open_checkpoint
+    from gemmactl.formats.int4.layout import tensor_layer
+
+    source = open_checkpoint(args.checkpoint)
+    source_bytes = sum(t.numel * {"bfloat16": 2, "float16": 2, "float32": 4}[t.dtype] for t in source.tensors)
+    layers: dict = {}
+    for t in source.tensors:
+        layers[tensor_layer(t.name)] = layers.get(tensor_layer(t.name), 0) + t.numel * 2
+    largest_layer = max(v for k, v in layers.items() if k is not None)
+    largest_tensor = max(t.numel * 2 for t in source.tensors)
+
+    report: dict = {"command": " ".join(sys.argv), "machine": platform.processor() or platform.machine(),
+                    "cpus": len(os.sched_getaffinity(0)), "source_bytes": source_bytes,
+                    "largest_layer_bf16_bytes": largest_layer, "largest_tensor_bf16_bytes": largest_tensor}
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, GEMMACTL_HOME=str(Path(tmp) / "home"), GEMMACTL_NO_PROGRESS="1")
+        baseline = [run_child([sys.executable, "-c", BASELINE])[1] for _ in range(2)]
+        runs = []
+        for i in range(args.quantize_repeats):
+            out = Path(tmp) / f"art{i}"
+            cmd = [sys.executable, "-m", "gemmactl", "quantize", str(args.checkpoint), "--int4-stream",
+                   "--group-size", str(args.group_size), "--out", str(out), "--json"]
+            wall, rss, stdout = run_child(cmd, env)
+            runs.append({"wall_s": wall, "peak_rss": rss, "seconds": json.loads(stdout)["seconds"]})
+        artifact = Path(tmp) / "art0"
+        seconds = statistics.median(r["seconds"] for r in runs)
+        report["quantize"] = {
+            "runs": runs,
+            "baseline_rss": min(baseline),
+            "peak_rss_above_baseline": max(r["peak_rss"] for r in runs) - min(baseline),
+            "seconds_median": seconds,
+            "source_MB_per_s": source_bytes / seconds / 1e6,
+            "params_per_s": source_bytes / 2 / seconds,
+        }
+        print(json.dumps(report["quantize"]), file=sys.stderr)
+
+        timings: dict[str, list] = {name: [] for name in LOADERS}
+        for name in LOADERS:  # warm the page cache for both files
+            run_child(python_child(loader_code(name, artifact, args.checkpoint)))
+        for _ in range(args.repeats):
+            for name in LOADERS:
+                wall, rss, stdout = run_child(python_child(loader_code(name, artifact, args.checkpoint)))
+                timings[name].append({"load_s": float(stdout.strip().splitlines()[-1]), "wall_s": wall, "peak_rss": rss})
+        report["reload"] = {
+            name: {
+                "load_s_median": statistics.median(r["load_s"] for r in rows),
+                "load_s_min": min(r["load_s"] for r in rows),
+                "peak_rss_median": statistics.median(r["peak_rss"] for r in rows),
+                "runs": rows,
+            }
+            for name, rows in timings.items()
+        }
+        hf = report["reload"]["HF bf16"]["load_s_median"]
+        report["reload_ratio_vs_hf_bf16"] = {name: hf / v["load_s_median"] for name, v in report["reload"].items()}
+    print(json.dumps(report, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

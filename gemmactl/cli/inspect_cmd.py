@@ -1,0 +1,71 @@
+"""`gemmactl inspect`: what an int4-stream artifact holds, and whether its bytes are intact."""
+
+from __future__ import annotations
+
+import click
+
+from gemmactl.cli.output import byte_progress, emit_json, human_bytes, progress_enabled, table
+
+
+@click.command("inspect")
+@click.argument("artifact")
+@click.option("--verify", is_flag=True, help="Recompute every checksum; name the shard and tensor of any mismatch (exit 1).")
+@click.option("--json", "json_mode", is_flag=True, help="Print the summary as one JSON object.")
+def inspect_cmd(artifact, verify, json_mode):
+    """Show the size and layers of an int4-stream artifact, and verify it.
+
+    ARTIFACT is a store name or an artifact directory. The table lists each layer's tensors,
+    parameters, stored bytes and compression against bf16.
+    """
+    from gemmactl.artifacts import resolve_artifact, summarize
+    from gemmactl.errors import ArtifactCorruptError
+    from gemmactl.formats.int4.reader import open_artifact
+    from gemmactl.store import Store
+
+    opened = open_artifact(resolve_artifact(artifact, Store()))
+    summary = summarize(opened)
+    mismatches = None
+    if verify:
+        with byte_progress("verifying", progress_enabled(json_mode)) as progress:
+            mismatches = opened.verify(progress)
+        summary["verify"] = {"ok": not mismatches, "mismatches": [m.__dict__ for m in mismatches]}
+    if json_mode:
+        emit_json(summary)
+    else:
+        click.echo(_summary_text(summary))
+        if mismatches == []:
+            click.echo(f"verify: all {summary['records']} checksums match")
+    if mismatches:
+        first = mismatches[0]
+        more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
+        raise ArtifactCorruptError(f"{opened.path}: shard {first.shard}, tensor {first.tensor}: {first.reason}{more}")
+
+
+def _summary_text(s: dict) -> str:
+    source = s["source"]
+    revision = f"@{source['revision'][:12]}" if source.get("revision") else ""
+    scheme = s["scheme"]
+    lines = [
+        s["path"],
+        f"format {s['format']} v{s['version']} · model {s['model_type']} · source {source.get('model', '?')}{revision}",
+        f"scheme {scheme.get('name')} (embeddings {scheme.get('embeddings')}) · {s['shards']} shard(s) · "
+        f"{s['tensors']} tensors in {s['records']} records",
+        f"size {human_bytes(s['size_bytes'])} · bf16 {human_bytes(s['bf16_bytes'])} · "
+        f"{s['compression']:.2f}× smaller · {s['bits_per_param']:.2f} bits/param",
+        "",
+    ]
+    rows = [
+        [
+            "global" if row["layer"] is None else str(row["layer"]),
+            str(row["tensors"]),
+            str(row["experts"] or "-"),
+            f"{row['params']:,}",
+            human_bytes(row["stored_bytes"]),
+            human_bytes(row["bf16_bytes"]),
+            f"{row['compression']:.2f}×" if row["compression"] else "-",
+            " ".join(f"{k}:{v}" for k, v in sorted(row["schemes"].items())),
+        ]
+        for row in s["layers"]
+    ]
+    lines.append(table(rows, ["LAYER", "TENSORS", "EXPERTS", "PARAMS", "STORED", "BF16", "RATIO", "SCHEMES"]))
+    return "\n".join(lines)

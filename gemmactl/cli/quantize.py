@@ -1,0 +1,130 @@
+"""`gemmactl quantize`: checkpoint → artifact, in exactly one output format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from gemmactl.cli.output import byte_progress, emit_json, human_bytes, progress_enabled
+
+# flag name → the format it writes; the command refuses zero or several.
+MODES = {"int4_stream": "--int4-stream", "gguf": "--gguf TYPE"}
+
+
+@click.command("quantize")
+@click.argument("model")
+@click.option("--int4-stream", "int4_stream", is_flag=True, help="Write an int4-stream artifact: group-wise int4 shards for the int4 backend.")
+@click.option("--gguf", "gguf_type", metavar="TYPE", help="Write a GGUF of this llama.cpp type (Q4_K_M, Q8_0, Q6_K, Q5_K_M, Q4_0, IQ4_XS, F16, BF16 …) with the active build.")
+@click.option("--out", type=click.Path(path_type=Path), metavar="PATH", help="Output folder (--int4-stream) or .gguf file (--gguf); default: in the store.")
+@click.option("--imatrix", type=click.Path(dir_okay=False, exists=True, path_type=Path), metavar="FILE", help="--gguf: an importance matrix for llama-quantize.")
+@click.option("--calibration", type=click.Path(dir_okay=False, exists=True, path_type=Path), metavar="TEXTFILE", help="--gguf: compute an importance matrix from this text first.")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="32", show_default=True, help="Weights per int4 group (one fp16 scale and zero each).")
+@click.option("--shard-size", default="1GiB", show_default=True, metavar="SIZE", help="Largest shard file, e.g. 512MiB or 2GB.")
+@click.option("--embeddings", type=click.Choice(["int4", "int8", "bf16"]), default="int8", show_default=True, help="How to store the token and per-layer embedding tables.")
+@click.option("--force", is_flag=True, help="Replace an existing artifact, or start an unfinished one over.")
+@click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object (no progress bar).")
+def quantize(model, int4_stream, gguf_type, out, imatrix, calibration, group_size, shard_size, embeddings, force, json_mode):
+    """Quantize a checkpoint into an artifact a gemmactl backend runs.
+
+    MODEL is a Hugging Face checkpoint directory (config.json + safetensors) or the store name of
+    one (from `gemmactl pull`). Pick the output format: --gguf TYPE (llama.cpp's converter and
+    llama-quantize from the active `gemmactl build`) or --int4-stream. The result is registered
+    in the store. An interrupted int4-stream run resumes from its finished shards when run again
+    with the same settings.
+
+    \b
+    Examples:
+      gemmactl quantize google/gemma-4-E2B-it --gguf Q4_K_M
+      gemmactl quantize ./gemma-3-270m --int4-stream --group-size 32
+      gemmactl quantize google/gemma-4-E4B-it --int4-stream --shard-size 2GiB
+    """
+    mode = _chosen_mode(int4_stream=int4_stream, gguf=gguf_type is not None)
+    if mode == "gguf":
+        _quantize_gguf(model, gguf_type, out, imatrix, calibration, force, json_mode)
+        return
+    if imatrix or calibration:
+        raise click.UsageError("--imatrix and --calibration go with --gguf", ctx=click.get_current_context())
+    from gemmactl.quantize import parse_size, quantize_int4_stream
+    from gemmactl.store import Store
+
+    with byte_progress("quantizing", progress_enabled(json_mode)) as progress:
+        artifact, result = quantize_int4_stream(
+            model,
+            store=Store(),
+            out=out,
+            group_size=int(group_size),
+            shard_size=parse_size(shard_size),
+            embeddings=embeddings,
+            force=force,
+            progress=progress,
+        )
+    totals = result.index["totals"]
+    report = {
+        "artifact": artifact.to_dict(),
+        "shards_written": result.shards_written,
+        "shards_reused": result.shards_reused,
+        "seconds": round(result.seconds, 3),
+        "tensors": totals["source_tensors"],
+        "params": totals["params"],
+        "size_bytes": totals["stored_bytes"],
+        "bf16_bytes": totals["bf16_bytes"],
+        "compression": totals["bf16_bytes"] / totals["stored_bytes"],
+    }
+    if json_mode:
+        emit_json(report)
+        return
+    shards = result.shards_written + result.shards_reused
+    reused = f", {result.shards_reused} kept from an earlier run" if result.shards_reused else ""
+    click.echo(f"Quantized {model} → {artifact.name} ({artifact.extra['scheme']}, embeddings {embeddings})")
+    click.echo(f"  {artifact.path}")
+    click.echo(
+        f"  {human_bytes(report['size_bytes'])} in {shards} shard{'s' if shards != 1 else ''}{reused}, "
+        f"{report['compression']:.2f}× smaller than bf16, {report['tensors']} tensors, {result.seconds:.1f} s"
+    )
+    click.echo(f"Run it: gemmactl run --model {artifact.name} \"...\"")
+
+
+def _chosen_mode(**flags) -> str:
+    """The one output format asked for; a usage error (exit 2) for none or several."""
+    chosen = [name for name, value in flags.items() if value]
+    ctx = click.get_current_context(silent=True)
+    if not chosen:
+        raise click.UsageError(f"pick an output format: {' or '.join(MODES.values())}", ctx=ctx)
+    if len(chosen) > 1:
+        raise click.UsageError(f"pick one output format, not {' and '.join(MODES[c] for c in chosen)}", ctx=ctx)
+    return chosen[0]
+
+
+def _quantize_gguf(model, gguf_type, out, imatrix, calibration, force, json_mode) -> None:
+    """The --gguf mode: validate cheaply first, then convert and quantize with the active build."""
+    import sys
+    import time
+
+    from gemmactl.formats.gguf import normalize_type, plan_output, quantize_to_gguf, require_build, resolve_checkpoint
+    from gemmactl.store import Store
+
+    if imatrix and calibration:
+        raise click.UsageError("pass --imatrix or --calibration, not both", ctx=click.get_current_context())
+    quant = normalize_type(gguf_type)
+    store = Store()
+    checkpoint = resolve_checkpoint(model, store)
+    build = require_build(store)
+    name, out_path = plan_output(checkpoint, quant, store, out, force)
+
+    def progress(step: str, elapsed: float) -> None:
+        if not json_mode:
+            click.echo(f"[{step} {int(elapsed) // 60:02d}:{int(elapsed) % 60:02d}]", err=True)
+
+    start = time.monotonic()
+    artifact = quantize_to_gguf(
+        checkpoint, quant, build, store, name=name, out_path=out_path,
+        imatrix=imatrix, calibration=calibration, progress=progress,
+    )
+    if json_mode:
+        emit_json(artifact.to_dict())
+        return
+    click.echo(f"Quantized {model} → {artifact.name} ({quant}, {human_bytes(artifact.size)}) in {time.monotonic() - start:.0f} s")
+    click.echo(f"  {artifact.path}")
+    click.echo(f"Run it: gemmactl run --model {artifact.name} \"...\"")
+    sys.stdout.flush()

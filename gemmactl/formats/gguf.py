@@ -1,0 +1,200 @@
+"""HF checkpoint → GGUF: llama.cpp's converter, then llama-quantize, then the store.
+
+The converter is the `convert_hf_to_gguf.py` of the active build's own source tree (run with that
+tree's gguf-py), so the file it writes is one that build reads. Intermediates live in a temporary
+folder next to the output and are removed whatever happens; the output appears only complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from gemmactl.errors import BuildError, InvalidOptionError, ModelNotFoundError, UnsupportedModelError
+from gemmactl.llamacpp.build import BuildManifest
+from gemmactl.store import Artifact, Store
+
+# llama-quantize's types that make sense for Gemma (F16/BF16 skip quantization altogether).
+GGUF_TYPES = (
+    "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q5_1", "Q4_K_M", "Q4_K_S", "Q4_0", "Q4_1",
+    "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS",
+    "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "TQ1_0", "TQ2_0",
+)
+# llama-quantize refuses these without an importance matrix.
+NEEDS_IMATRIX = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
+SUPPORTED_ARCHITECTURES = (
+    "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma3TextModel",
+    "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
+)
+
+Progress = Callable[[str, float], None]  # (step, elapsed seconds)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """An HF checkpoint directory and where it came from."""
+
+    path: Path
+    name: str  # short name, e.g. "gemma-4-E2B-it"
+    source: str
+    revision: str | None
+    architecture: str
+
+
+def normalize_type(name: str) -> str:
+    """Check a quant type name (any case); list the valid ones when it is unknown."""
+    upper = name.upper()
+    if upper not in GGUF_TYPES:
+        raise InvalidOptionError(f"unknown GGUF type '{name}'; valid types: {', '.join(GGUF_TYPES)}")
+    return upper
+
+
+def resolve_checkpoint(ref: str, store: Store) -> Checkpoint:
+    """A checkpoint directory, or a store entry of format "hf"; checks the architecture."""
+    artifact = store.get(ref)
+    if artifact is not None:
+        if artifact.format != "hf":
+            raise InvalidOptionError(f"'{ref}' is a {artifact.format} artifact, not an HF checkpoint")
+        path, source, revision = Path(artifact.path), artifact.source, artifact.revision
+    else:
+        path, source, revision = Path(ref).expanduser(), f"dir:{Path(ref).expanduser().resolve()}", None
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{ref} is neither a store entry nor a checkpoint directory with a config.json",
+            hint=f"Pull it first (`gemmactl pull {ref}`) or pass the checkpoint's folder.",
+        )
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{path / 'config.json'} is not valid JSON: {exc}") from exc
+    architecture = (config.get("architectures") or ["unknown"])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{ref} is a {architecture} checkpoint; gemmactl converts {', '.join(SUPPORTED_ARCHITECTURES)}",
+            hint="Use a Gemma 3 or Gemma 4 checkpoint.",
+        )
+    return Checkpoint(path=path, name=ref.rstrip("/").split("/")[-1], source=source, revision=revision, architecture=architecture)
+
+
+def plan_output(checkpoint: Checkpoint, quant: str, store: Store, out: Path | None, force: bool) -> tuple[str, Path]:
+    """Store name and output path; refuses to overwrite without force."""
+    name = f"{checkpoint.name}-{quant}"
+    path = Path(out).expanduser().resolve() if out else store.models_dir / name / f"{name}.gguf"
+    if not force and (path.exists() or store.get(name) is not None):
+        raise InvalidOptionError(f"{name} already exists ({path})", hint="Pass --force to replace it.")
+    return name, path
+
+
+def quantize_to_gguf(
+    checkpoint: Checkpoint,
+    quant: str,
+    build: BuildManifest,
+    store: Store,
+    *,
+    name: str,
+    out_path: Path,
+    imatrix: Path | None = None,
+    calibration: Path | None = None,
+    progress: Progress | None = None,
+) -> Artifact:
+    """Convert, (optionally) compute an importance matrix, quantize, register; returns the entry."""
+    progress = progress or (lambda step, elapsed: None)
+    if quant in NEEDS_IMATRIX and not (imatrix or calibration):
+        raise InvalidOptionError(f"{quant} needs an importance matrix", hint="Pass --imatrix FILE or --calibration TEXTFILE.")
+    source_tree = Path(build.source["path"])
+    converter = source_tree / "convert_hf_to_gguf.py"
+    if not converter.is_file():
+        raise BuildError(f"the build's source tree {source_tree} has no convert_hf_to_gguf.py", hint="Run `gemmactl build --force`.")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    remove_partial_outputs(out_path)
+    log_path = store.home / "logs" / f"quantize-{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=".quantize-") as tmp, open(log_path, "w") as log:
+        outtype = quant.lower() if quant in ("F16", "BF16") else "bf16"
+        converted = Path(tmp) / f"model-{outtype}.gguf"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source_tree / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
+        progress("convert", time.monotonic() - start)
+        _step("convert", [sys.executable, str(converter), str(checkpoint.path), "--outtype", outtype, "--outfile", str(converted)], log, log_path, env)
+        result = converted
+        if quant not in ("F16", "BF16"):
+            if calibration:
+                imatrix = Path(tmp) / "imatrix.gguf"
+                progress("imatrix", time.monotonic() - start)
+                _step("imatrix", [str(build.binary("llama-imatrix")), "-m", str(converted), "-f", str(calibration), "-o", str(imatrix)], log, log_path)
+            result = Path(tmp) / f"model-{quant}.gguf"
+            cmd = [str(build.binary("llama-quantize"))]
+            if imatrix:
+                cmd += ["--imatrix", str(imatrix)]
+            progress("quantize", time.monotonic() - start)
+            _step("quantize", cmd + [str(converted), str(result), quant], log, log_path)
+            converted.unlink()  # free the disk before the final move
+        progress("register", time.monotonic() - start)
+        digest = _sha256(result)
+        os.replace(result, out_path)
+    artifact = Artifact(
+        name=name,
+        path=str(out_path),
+        format="gguf",
+        source=checkpoint.source,
+        revision=checkpoint.revision,
+        size=out_path.stat().st_size,
+        sha256=digest,
+        extra={
+            "quantization": quant,
+            "architecture": checkpoint.architecture,
+            "llama_cpp_build": build.build_id,
+            "imatrix": str(imatrix) if imatrix and not calibration else ("calibration:" + str(calibration) if calibration else None),
+            "seconds": round(time.monotonic() - start, 1),
+        },
+    )
+    store.add(artifact)
+    return artifact
+
+
+def _step(step: str, cmd: list[str], log, log_path: Path, env: dict | None = None) -> None:
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        log.flush()
+        lines = [line for line in Path(log_path).read_text(errors="replace").splitlines() if line.strip()]
+        errors = [line for line in lines if "error" in line.lower()]
+        detail = (errors or lines or ["no output"])[-1][:200]
+        raise BuildError(f"the {step} step failed (exit {proc.returncode}): {detail}", hint=f"The full log is {log_path}.")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def require_build(store: Store) -> BuildManifest:
+    """The active build, which quantize needs for its converter and tools."""
+    from gemmactl.llamacpp.build import active_build
+
+    build = active_build(store)
+    if build is None:
+        raise BuildError(
+            "quantize --gguf needs a llama.cpp build (its converter and llama-quantize), and there is none",
+            hint="Run `gemmactl build` first.",
+        )
+    return build
+
+
+def remove_partial_outputs(path: Path) -> None:
+    """Remove the temporary folders a killed quantize of this output left behind."""
+    for leftover in path.parent.glob(".quantize-*"):
+        shutil.rmtree(leftover, ignore_errors=True)

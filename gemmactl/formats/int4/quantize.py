@@ -1,0 +1,236 @@
+"""Checkpoint → int4-stream artifact, tensor by tensor and a block of rows at a time, resumable."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from gemmactl import __version__
+from gemmactl.errors import OutputExistsError, UnsupportedCheckpointError
+from gemmactl.formats.int4.checkpoint import Checkpoint, SourceTensor, TensorSource, copy_tokenizer, open_checkpoint
+from gemmactl.formats.int4.layout import Layout, QuantizeOptions, plan_layout
+from gemmactl.formats.int4.spec import (
+    DTYPE_SIZES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_NAME,
+    PARTIAL_MARKER,
+    TensorRecord,
+    padded_cols,
+    unpack_header,
+)
+from gemmactl.formats.int4.writer import Int4ShardWriter, crc32_of
+from gemmactl.store import utc_now
+
+CHUNK_BYTES = 64 << 20  # float32 bytes of source rows quantized at once: bounds peak memory
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class QuantizeResult:
+    """What a quantize run produced and how much of it an earlier run had already done."""
+
+    out_dir: Path
+    index: dict
+    shards_written: int
+    shards_reused: int
+    seconds: float
+    source_bytes: int  # bytes of the quantized tensors as the checkpoint stores them
+
+
+def quantize_checkpoint(
+    checkpoint_dir: Path,
+    out_dir: Path,
+    options: QuantizeOptions,
+    *,
+    force: bool = False,
+    source: str | None = None,
+    revision: str | None = None,
+    progress: Progress | None = None,
+) -> QuantizeResult:
+    """Write the int4-stream artifact of a checkpoint into out_dir, reusing shards a killed run finished."""
+    start = time.perf_counter()
+    checkpoint = open_checkpoint(checkpoint_dir)
+    layout = plan_layout(checkpoint, options)
+    out_dir = Path(out_dir).expanduser().absolute()
+    reusable = prepare_output(out_dir, layout, force)
+    by_name = {tensor.name: tensor for tensor in checkpoint.tensors}
+    total = sum(_source_bytes(by_name[r.name], r) for r in layout.records)
+    done = 0
+    report = progress or (lambda done, total: None)
+    report(0, total)
+    writer = Int4ShardWriter(out_dir, layout)
+    reader = TensorSource()
+    written = reused = 0
+    try:
+        for name, _size in layout.shards:
+            records = layout.shard_records(name)
+            if name in reusable:
+                writer.adopt_shard(name, shard_checksums(out_dir / name, records))
+                reused += 1
+                done += sum(_source_bytes(by_name[r.name], r) for r in records)
+                report(done, total)
+                continue
+            writer.open_shard(name)
+            for record in records:
+                writer.begin_record(record)
+                encode_record(reader, by_name[record.name], record, writer)
+                writer.end_record()
+                done += _source_bytes(by_name[record.name], record)
+                report(done, total)
+            writer.close_shard()
+            written += 1
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        reader.close()
+    tokenizer = copy_tokenizer(checkpoint.path, out_dir)
+    index = build_index(checkpoint, layout, source=source, revision=revision, tokenizer=tokenizer)
+    writer.finish(index)
+    return QuantizeResult(out_dir, index, written, reused, time.perf_counter() - start, total)
+
+
+def build_index(checkpoint: Checkpoint, layout: Layout, *, source, revision, tokenizer) -> dict:
+    """The index.json document ("format" first, so a reader can tell the format from the first bytes)."""
+    params = sum(record.numel for record in layout.records)
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "created": utc_now(),
+        "writer": f"gemmactl {__version__}",
+        "source": {
+            "model": source or str(checkpoint.path),
+            "revision": revision or checkpoint.revision,
+            "fingerprint": f"sha256:{checkpoint.fingerprint}",
+        },
+        "config": checkpoint.config,
+        "scheme": layout.scheme,
+        "plan": layout.fingerprint.hex(),
+        "tokenizer": tokenizer,
+        "totals": {
+            "source_tensors": len(checkpoint.tensors),
+            "records": len(layout.records),
+            "params": params,
+            "bf16_bytes": params * 2,
+            "stored_bytes": sum(size for _, size in layout.shards),
+        },
+        "shards": [{"file": name, "nbytes": size} for name, size in layout.shards],
+        "tensors": [record.to_json() for record in layout.records],
+    }
+
+
+def prepare_output(out_dir: Path, layout: Layout, force: bool) -> set[str]:
+    """Make out_dir ready for this plan; returns the shards a killed run of the same plan finished."""
+    plan = layout.fingerprint.hex()
+    marker = out_dir / PARTIAL_MARKER
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputExistsError(f"{out_dir} exists and is not a directory", hint="Pick another --out.")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not (out_dir / INDEX_NAME).exists() and not marker.exists():
+            # Never delete a folder gemmactl did not make, even with --force.
+            raise OutputExistsError(
+                f"{out_dir} exists, is not empty and is not an int4-stream artifact",
+                hint="Pick another --out, or empty the folder first.",
+            )
+        if force:
+            shutil.rmtree(out_dir)
+        elif (out_dir / INDEX_NAME).exists():
+            raise OutputExistsError(
+                f"{out_dir} already holds an int4-stream artifact", hint="Pass --force to replace it, or pick another --out."
+            )
+        elif _read_marker(marker) != plan:
+            raise OutputExistsError(
+                f"{out_dir} holds an unfinished quantization of another checkpoint or with other settings",
+                hint="Pass --force to start over, or pick another --out.",
+            )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("*.partial"):
+        stale.unlink()
+    tmp = marker.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"plan": plan, "started": utc_now()}) + "\n")
+    os.replace(tmp, marker)
+    return {name for name, size in layout.shards if _finished_shard(out_dir / name, size, layout.fingerprint)}
+
+
+def _read_marker(marker: Path) -> str | None:
+    try:
+        return json.loads(marker.read_text()).get("plan")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _finished_shard(path: Path, size: int, fingerprint: bytes) -> bool:
+    """A shard an earlier run completed for the same plan: right size, header naming the plan."""
+    try:
+        if path.stat().st_size != size:
+            return False
+        with open(path, "rb") as handle:
+            header = unpack_header(handle.read(128))
+    except OSError:
+        return False
+    return header is not None and header["fingerprint"] == fingerprint
+
+
+def shard_checksums(path: Path, records: list[TensorRecord]) -> dict[str, str]:
+    """Checksums of the records of a finished shard, read from the file."""
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        return {record.key: crc32_of(mapped, record.offset, record.nbytes) for record in records}
+
+
+def _source_bytes(tensor: SourceTensor, record: TensorRecord) -> int:
+    return record.numel * DTYPE_SIZES[tensor.dtype]
+
+
+def encode_record(reader: TensorSource, tensor: SourceTensor, record: TensorRecord, writer: Int4ShardWriter) -> None:
+    """Read the record's rows from the checkpoint a block at a time, encode them and write the parts."""
+    import torch
+
+    from gemmactl.formats.int4.quant import quantize_int4, quantize_int8_rows
+
+    rows = record.shape[0] if record.shape else 1
+    row_numel = max(1, record.numel // max(rows, 1))
+    step = max(1, CHUNK_BYTES // (row_numel * 4))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        block = reader.rows(tensor, start, stop, record.expert)  # [r, C] (or the whole small tensor)
+        if block.is_floating_point() and not bool(torch.isfinite(block).all()):
+            raise UnsupportedCheckpointError(f"tensor {record.key} holds NaN or infinite values")
+        if record.scheme == "raw":
+            data = block.to(getattr(torch, record.dtype)).contiguous().reshape(-1)
+            writer.write_part("data", start * row_numel * DTYPE_SIZES[record.dtype], _bytes(data))
+        elif record.scheme == "int4":
+            packed, scales, zeros = quantize_int4(block, record.group_size)
+            _check_fp16(record, scales, zeros)
+            groups = padded_cols(record.shape[1], record.group_size) // record.group_size
+            writer.write_part("qweight", start * groups * record.group_size // 2, _bytes(packed))
+            writer.write_part("scales", start * groups * 2, _bytes(scales))
+            writer.write_part("zeros", start * groups * 2, _bytes(zeros))
+        else:  # int8
+            q, scales = quantize_int8_rows(block)
+            _check_fp16(record, scales)
+            writer.write_part("qweight", start * record.shape[1], _bytes(q))
+            writer.write_part("scales", start * 2, _bytes(scales))
+
+
+def _check_fp16(record: TensorRecord, *tensors) -> None:
+    import torch
+
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        raise UnsupportedCheckpointError(
+            f"tensor {record.key} has values beyond the float16 range of int4-stream scales",
+            hint="Keep the embeddings unquantized with --embeddings bf16, or check the checkpoint.",
+        )
+
+
+def _bytes(tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
+    import torch
+
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())

@@ -1,0 +1,1 @@
+"""llama.cpp toolchain: source, build, the shared library for the bindings, and the doctor."""

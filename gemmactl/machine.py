@@ -1,0 +1,112 @@
+"""What this machine has: CPU features, RAM, NVIDIA GPUs, the CUDA toolkit. Read, never guessed."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    memory_bytes: int
+    driver: str
+    compute_cap: str  # "9.0"
+
+    @property
+    def cuda_arch(self) -> str:
+        return self.compute_cap.replace(".", "")
+
+
+@dataclass
+class Machine:
+    cpu_model: str
+    cpu_cores: int
+    cpu_flags: list[str]
+    ram_bytes: int
+    arch: str
+    gpus: list[Gpu] = field(default_factory=list)
+    cuda_toolkit: str | None = None  # nvcc's release, e.g. "13.0"
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["cpu_flags"] = [flag for flag in self.cpu_flags if flag in INTERESTING_CPU_FLAGS]
+        return data
+
+
+INTERESTING_CPU_FLAGS = (
+    "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
+    "avx512_vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_int8", "amx_bf16", "asimd", "sve",
+)
+
+
+def cpu_info() -> tuple[str, list[str]]:
+    """CPU model name and feature flags from /proc/cpuinfo (empty flags elsewhere)."""
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+    except OSError:
+        return model, flags
+    if match := re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE):
+        model = match.group(1).strip()
+    if match := re.search(r"^(?:flags|Features)\s*:\s*(.+)$", text, re.MULTILINE):
+        flags = match.group(1).split()
+    return model, flags
+
+
+def ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def nvidia_gpus() -> list[Gpu]:
+    """GPUs as nvidia-smi reports them; none when it is missing or fails."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    query = "index,name,memory.total,driver_version,compute_cap"
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    gpus = []
+    for line in proc.stdout.strip().splitlines() if proc.returncode == 0 else []:
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) == 5 and parts[0].isdigit():
+            memory_mib = int(float(parts[2])) if parts[2].replace(".", "").isdigit() else 0
+            gpus.append(Gpu(int(parts[0]), parts[1], memory_mib * 1024 * 1024, parts[3], parts[4]))
+    return gpus
+
+
+def cuda_toolkit() -> str | None:
+    """nvcc's release number, or None without nvcc."""
+    if not shutil.which("nvcc"):
+        return None
+    try:
+        out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"release (\d+\.\d+)", out)
+    return match.group(1) if match else "unknown"
+
+
+def detect_machine() -> Machine:
+    model, flags = cpu_info()
+    return Machine(
+        cpu_model=model,
+        cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+        cpu_flags=flags,
+        ram_bytes=ram_bytes(),
+        arch=platform.machine(),
+        gpus=nvidia_gpus(),
+        cuda_toolkit=cuda_toolkit(),
+    )

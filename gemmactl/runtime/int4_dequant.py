@@ -1,0 +1,190 @@
+"""The "int4" backend, first form: an int4-stream artifact dequantized into a transformers model on CPU.
+
+The model is built with empty (meta) parameters from the config in the artifact's index, then
+takes the dequantized weights with `load_state_dict(assign=True)`: no random init, no second
+copy. Generation is a plain token-by-token loop over the model's KV cache. The int4 runtime
+(kernels on packed weights, expert streaming) replaces this later behind the same protocol.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from pathlib import Path
+from typing import Iterator
+
+from gemmactl.errors import BackendError
+from gemmactl.prompting import build_prompt_text
+from gemmactl.runtime.base import EngineTimings, GenerationRequest, PreparedPrompt
+
+DEBUG_HINT = "Rerun with --debug for details."
+_DETOKENIZE_CONTEXT = 4  # prompt tokens decoded with the first new token, so its leading space survives
+
+
+def build_model(artifact, dtype=None):
+    """A transformers causal LM from the artifact's config, holding its dequantized weights."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = dict(artifact.config)
+    model_type = config_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **config_dict)
+    dtype = dtype or getattr(torch, str(config_dict.get("dtype") or config_dict.get("torch_dtype") or "bfloat16"))
+    # Parameters on the meta device; buffers (rotary tables, embedding scales) built for real.
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = artifact.state_dict(dtype=dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    still_meta = [name for name, param in model.named_parameters() if param.is_meta]
+    if unexpected or still_meta:
+        raise BackendError(
+            f"{artifact.path} does not fit a {type(model).__name__}: "
+            + (f"unexpected tensors {unexpected[:3]}" if unexpected else f"no weights for {still_meta[:3]}"),
+            hint="The artifact's config and tensors disagree; make it again with `gemmactl quantize`.",
+        )
+    return model.eval()
+
+
+class IncrementalDetokenizer:
+    """Turns one token at a time into text, holding back bytes until they form whole characters."""
+
+    def __init__(self, tokenizer, context: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(context)
+        self.prefix = 0  # start of the window decoded each step
+        self.read = len(self.ids)  # tokens before this were already emitted as text
+
+    def feed(self, token: int) -> str:
+        self.ids.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        after = decode(self.ids[self.prefix :], skip_special_tokens=True)
+        # A trailing U+FFFD is a character cut in half by a token boundary: wait for the rest.
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+
+class Int4DequantBackend:
+    """One int4-stream artifact, dequantized on CPU, generating token by token."""
+
+    name = "int4"
+
+    def __init__(self, model_path: str, *, context_size: int = 4096, n_threads: int | None = None, dtype=None):
+        """Load the artifact; dtype is the compute dtype (default float32: this CPU build of torch
+        decoded Gemma 3 270M several times slower in bfloat16, see docs/benchmarks.md)."""
+        import torch
+        from transformers import AutoTokenizer
+
+        from gemmactl.formats.int4.reader import open_artifact
+        from gemmactl.runtime.llamacpp import default_threads
+
+        self.model_path = str(model_path)
+        self.threads = n_threads or default_threads()
+        torch.set_num_threads(self.threads)
+        start = time.perf_counter()
+        artifact = open_artifact(Path(model_path))
+        if not artifact.index.get("tokenizer"):
+            raise BackendError(
+                f"{model_path} has no tokenizer files",
+                hint="Quantize a checkpoint that includes its tokenizer (tokenizer.json, tokenizer_config.json).",
+            )
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self.model = build_model(artifact, dtype or torch.float32)
+        except (OSError, ValueError, KeyError) as exc:
+            raise BackendError(f"could not load {model_path}: {exc}", hint=DEBUG_HINT) from exc
+        self.load_s = time.perf_counter() - start
+        limit = getattr(self.model.config, "max_position_embeddings", None) or context_size
+        self.context_size = min(context_size, limit)
+        self.chat_template = getattr(self.tokenizer, "chat_template", None) or None
+        self.stop_ids = self._stop_ids()
+        # transformers 5.24 renamed `past_key_values` to `cache` (argument and output); older ones lack it.
+        self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    # -- Backend protocol ------------------------------------------------------------------------
+
+    def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        """Build the prompt text for this model and tokenize it."""
+        tok = self.tokenizer
+        built = build_prompt_text(
+            request.prompt,
+            chat_template=self.chat_template,
+            bos_token=tok.bos_token or "",
+            eos_token=tok.eos_token or "",
+            thinking=request.thinking,
+            raw=request.raw,
+            system=request.system,
+        )
+        tokens = tok(built.text, add_special_tokens=False)["input_ids"]
+        if built.add_bos and tok.bos_token_id is not None:
+            tokens = [tok.bos_token_id, *tokens]
+        return PreparedPrompt(tokens=tokens, mode=built.mode, stops=built.stops, text=built.text)
+
+    def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str]:
+        """Yield each new token's text; stop at an end-of-generation token or max_tokens."""
+        import torch
+
+        generator = torch.Generator().manual_seed(request.seed if request.seed is not None else int(time.time_ns() % 2**63))
+        detok = IncrementalDetokenizer(self.tokenizer, prompt.tokens[-_DETOKENIZE_CONTEXT:])
+        history = list(prompt.tokens)
+        step_input = torch.tensor([prompt.tokens])  # [1, T] prompt first, then [1, 1] per step
+        cache = None
+        with torch.inference_mode():
+            for _ in range(request.max_tokens):
+                try:
+                    out = self.model(input_ids=step_input, use_cache=True, **{self._cache_arg: cache})
+                except RuntimeError as exc:
+                    raise BackendError(f"the model failed while generating: {exc}", hint=DEBUG_HINT) from exc
+                cache = out[self._cache_arg] if self._cache_arg in out else out.past_key_values
+                logits = out.logits[0, -1].float()  # [V]
+                token = sample_token(logits, history, request, generator)
+                if token in self.stop_ids:
+                    return
+                history.append(token)
+                yield detok.feed(token)
+                step_input = torch.tensor([[token]])
+
+    def engine_timings(self) -> EngineTimings | None:
+        return None
+
+    def close(self) -> None:
+        self.model = None
+
+    def _stop_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.model.config, getattr(self.model, "generation_config", None), self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
+        end_of_turn = self.tokenizer.convert_tokens_to_ids("<end_of_turn>")
+        if isinstance(end_of_turn, int) and end_of_turn != self.tokenizer.unk_token_id:
+            ids.add(end_of_turn)
+        return ids
+
+
+def sample_token(logits, history: list[int], request: GenerationRequest, generator) -> int:
+    """Pick the next token from [V] logits: greedy at temperature 0, else penalty → top-k → top-p → min-p."""
+    import torch
+
+    if request.repeat_penalty != 1.0 and history:
+        seen = torch.tensor(sorted(set(history)))
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / request.repeat_penalty, values * request.repeat_penalty)
+    if request.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / request.temperature
+    if request.top_k > 0:
+        kth = torch.topk(logits, min(request.top_k, logits.numel())).values[-1]
+        logits[logits < kth] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    if 0 < request.top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= request.top_p
+        probs[order[drop]] = 0
+    if request.min_p > 0:
+        probs[probs < request.min_p * probs.max()] = 0
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

@@ -1,0 +1,239 @@
+"""`gemmactl quantize --int4-stream` and `gemmactl inspect`: store, resume after a kill, corruption, bad input."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import invoke, run_gemmactl
+from gemmactl.formats.int4.writer import PAUSE_ENV, Int4ShardWriter
+from int4_helpers import make_checkpoint, small_tensors
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("Error: ") and "Traceback" not in stderr
+    return lines[0]
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    return make_checkpoint(tmp_path / "small-model", small_tensors())
+
+
+def _quantize(runner, *args):
+    result = invoke(runner, ["quantize", *map(str, args), "--int4-stream", "--json"])
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+# -- the store, inspect ---------------------------------------------------------------------------
+
+
+def test_quantize_registers_the_artifact_and_inspect_describes_it(checkpoint, runner, isolated_home):
+    report = _quantize(runner, checkpoint, "--group-size", "32")
+    artifact = report["artifact"]
+    assert artifact["name"] == "small-model-int4" and artifact["format"] == "int4-stream"
+    assert Path(artifact["path"]) == isolated_home / "models" / "small-model-int4"
+    assert artifact["extra"]["scheme"] == "int4.g32" and report["shards_written"] == 1
+    listing = json.loads(invoke(runner, ["list", "--json"]).stdout)
+    assert [entry["name"] for entry in listing] == ["small-model-int4"]
+
+    summary = json.loads(invoke(runner, ["inspect", "small-model-int4", "--json", "--verify"]).stdout)
+    assert summary["verify"] == {"ok": True, "mismatches": []}
+    assert summary["tensors"] == len(small_tensors()) and summary["params"] == sum(t.numel() for t in small_tensors().values())
+    assert [row["layer"] for row in summary["layers"]] == [None, 0, 1]
+    assert summary["layers"][2]["experts"] == 4
+    text = invoke(runner, ["inspect", artifact["path"], "--verify"])
+    assert text.exit_code == 0 and "LAYER" in text.stdout and "all 15 checksums match" in text.stdout
+
+
+def test_quantize_human_output_and_out_option(checkpoint, runner, tmp_path):
+    result = invoke(runner, ["quantize", str(checkpoint), "--int4-stream", "--out", str(tmp_path / "mine")])
+    assert result.exit_code == 0, result.stderr
+    assert "Quantized" in result.stdout and "gemmactl run --model mine" in result.stdout
+    assert (tmp_path / "mine" / "index.json").is_file()
+
+
+# -- resume -----------------------------------------------------------------------------------------
+
+
+def test_kill_after_the_first_shard_then_resume_keeps_it(tiny_gemma4, tmp_path):
+    source = tiny_gemma4("dense-ple")
+    out = tmp_path / "art"
+    args = [sys.executable, "-m", "gemmactl", "quantize", str(source), "--int4-stream", "--out", str(out), "--shard-size", "1MiB"]
+    env = dict(os.environ, **{PAUSE_ENV: "60"})
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    first = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and first is None:
+        done = sorted(out.glob("shard-00001-of-*.i4s"))
+        first = done[0] if done else None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert first is not None, proc.stderr.read().decode()
+    assert not (out / "index.json").exists()
+    assert len(list(out.glob("*.i4s"))) == 1  # the writer was asleep after shard 1
+    before = first.stat()
+
+    rerun = run_gemmactl(["quantize", str(source), "--int4-stream", "--out", str(out), "--shard-size", "1MiB", "--json"])
+    assert rerun.returncode == 0, rerun.stderr
+    report = json.loads(rerun.stdout)
+    assert report["shards_reused"] == 1 and report["shards_written"] >= 1
+    after = first.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert run_gemmactl(["inspect", str(out), "--verify"]).returncode == 0
+
+
+def test_disk_full_mid_shard_leaves_no_index_and_no_partial_file(checkpoint, runner, tmp_path, monkeypatch):
+    tensors = small_tensors()
+    tensors["model.layers.2.mlp.up_proj.weight"] = torch.randn(3000, 1024).to(torch.bfloat16)  # 1.6 MB in int4: a shard of its own
+    source = make_checkpoint(tmp_path / "bigger", tensors)
+    out = tmp_path / "art"
+    real_write = Int4ShardWriter.write_part
+
+    def full_disk(self, part, start, data):
+        if self._shard_index == 1:  # the second shard
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, part, start, data)
+
+    monkeypatch.setattr(Int4ShardWriter, "write_part", full_disk)
+    result = invoke(runner, ["quantize", str(source), "--int4-stream", "--out", str(out), "--shard-size", "1MiB"])
+    assert result.exit_code == 1
+    assert "no space left on device" in _one_error_line(result.stderr)
+    assert not (out / "index.json").exists() and not list(out.glob("*.partial"))
+    assert len(list(out.glob("*.i4s"))) == 1
+
+    monkeypatch.setattr(Int4ShardWriter, "write_part", real_write)
+    report = _quantize(runner, source, "--out", out, "--shard-size", "1MiB")
+    assert report["shards_reused"] == 1
+
+
+# -- damaged artifacts ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def artifact(checkpoint, runner, tmp_path) -> Path:
+    _quantize(runner, checkpoint, "--out", tmp_path / "art", "--group-size", "32")
+    return tmp_path / "art"
+
+
+def test_a_flipped_byte_is_named_by_shard_and_tensor(artifact):
+    index = json.loads((artifact / "index.json").read_text())
+    target = next(t for t in index["tensors"] if t["name"] == "model.layers.0.self_attn.q_proj.weight")
+    shard = artifact / target["shard"]
+    data = bytearray(shard.read_bytes())
+    data[target["offset"] + 5] ^= 0x10
+    shard.write_bytes(bytes(data))
+    proc = run_gemmactl(["inspect", str(artifact), "--verify"])
+    assert proc.returncode == 1
+    line = _one_error_line(proc.stderr)
+    assert target["shard"] in line and "model.layers.0.self_attn.q_proj.weight" in line and "checksum" in line
+    assert "LAYER" in proc.stdout  # the summary still printed
+
+
+def test_a_truncated_shard_is_a_clear_error(artifact):
+    shard = next(artifact.glob("*.i4s"))
+    with open(shard, "r+b") as handle:
+        handle.truncate(shard.stat().st_size - 100)
+    proc = run_gemmactl(["inspect", str(artifact), "--verify"])
+    assert proc.returncode == 1
+    line = _one_error_line(proc.stderr)
+    assert shard.name in line and "truncated" in line
+    run = run_gemmactl(["run", "--model", str(artifact), "hello"])
+    assert run.returncode == 1 and "truncated" in _one_error_line(run.stderr)
+
+
+def test_a_newer_format_version_asks_for_an_upgrade(artifact):
+    index = json.loads((artifact / "index.json").read_text())
+    (artifact / "index.json").write_text(json.dumps(index | {"version": 99}))
+    proc = run_gemmactl(["inspect", str(artifact)])
+    assert proc.returncode == 1
+    line = _one_error_line(proc.stderr)
+    assert "version 99" in line and "pip install --upgrade gemmactl" in line
+
+
+def test_a_foreign_index_is_not_an_artifact(tmp_path):
+    folder = tmp_path / "other"
+    folder.mkdir()
+    (folder / "index.json").write_text(json.dumps({"format": "something-else", "version": 1}))
+    proc = run_gemmactl(["inspect", str(folder)])
+    assert proc.returncode == 2
+    assert "something-else index, not gemmactl-int4-stream" in _one_error_line(proc.stderr)
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+
+def test_not_a_checkpoint(runner, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for ref, expected in [(empty, "no config.json"), (tmp_path / "nowhere", "neither a checkpoint directory nor a store entry")]:
+        result = invoke(runner, ["quantize", str(ref), "--int4-stream"])
+        assert result.exit_code == 2
+        assert expected in _one_error_line(result.stderr)
+
+
+def test_unsupported_dtype_names_the_tensor(runner, tmp_path):
+    source = make_checkpoint(tmp_path / "ints", {"model.layers.0.ids": torch.arange(10, dtype=torch.int32)})
+    result = invoke(runner, ["quantize", str(source), "--int4-stream"])
+    assert result.exit_code == 2
+    assert "model.layers.0.ids" in _one_error_line(result.stderr) and "I32" in result.stderr
+
+
+def test_existing_output_needs_force_and_a_foreign_folder_is_never_replaced(checkpoint, runner, tmp_path):
+    out = tmp_path / "art"
+    _quantize(runner, checkpoint, "--out", out)
+    again = invoke(runner, ["quantize", str(checkpoint), "--int4-stream", "--out", str(out)])
+    assert again.exit_code == 2
+    assert "already holds an int4-stream artifact" in _one_error_line(again.stderr) and "--force" in again.stderr
+    assert _quantize(runner, checkpoint, "--out", out, "--force", "--group-size", "128")["shards_written"] == 1
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "cat.jpg").write_bytes(b"meow")
+    refused = invoke(runner, ["quantize", str(checkpoint), "--int4-stream", "--out", str(foreign), "--force"])
+    assert refused.exit_code == 2 and "not an int4-stream artifact" in refused.stderr
+    assert (foreign / "cat.jpg").read_bytes() == b"meow"
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ([], "pick an output format: --int4-stream"),
+        (["--int4-stream", "--group-size", "48"], "'48' is not one of"),
+        (["--int4-stream", "--shard-size", "lots"], "cannot read 'lots' as a size"),
+        (["--int4-stream", "--shard-size", "4KiB"], "--shard-size must be at least 1MiB"),
+        (["--int4-stream", "--embeddings", "fp8"], "'fp8' is not one of"),
+    ],
+)
+def test_bad_options_are_one_line_exit_2(checkpoint, isolated_home, args, expected):
+    proc = run_gemmactl(["quantize", str(checkpoint), *args])
+    assert proc.returncode == 2
+    assert expected in _one_error_line(proc.stderr)
+    assert not isolated_home.exists()
+
+
+def test_group_size_not_dividing_the_row_is_handled(runner, tmp_path):
+    weight = torch.randn(16, 100) * 0.1  # 100 columns: 3 full groups of 32 and one of 4
+    source = make_checkpoint(tmp_path / "odd", {"model.layers.0.mlp.down_proj.weight": weight})
+    out = tmp_path / "art"
+    _quantize(runner, source, "--out", out, "--group-size", "32")
+    from gemmactl.formats.int4.reader import open_artifact
+
+    artifact = open_artifact(out)
+    record = artifact.record("model.layers.0.mlp.down_proj.weight")
+    assert record.scheme == "int4" and record.shape == (16, 100)
+    assert artifact.packed(record).parts["scales"].shape == (16, 4)
+    decoded = artifact.load_tensor("model.layers.0.mlp.down_proj.weight")
+    assert decoded.shape == (16, 100) and float((decoded - weight).abs().max()) < 0.05
