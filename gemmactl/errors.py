@@ -73,6 +73,12 @@ class ToolchainMissingError(UserInputError):
     """A program the build needs (cmake, ninja, a compiler, nvcc) is not installed."""
 
 
+class NoLlamaBuildError(UserInputError):
+    """A command needs llama.cpp's own programs (llama-server), and no build exists yet."""
+
+    default_hint = "Build llama.cpp first: gemmactl build"
+
+
 class UnsupportedModelError(UserInputError):
     """A checkpoint whose architecture gemmactl cannot convert or run."""
 
@@ -178,3 +184,7 @@ class ArtifactVersionError(GemmactlError):
 
 class BuildError(GemmactlError):
     """Building llama.cpp, or a step of a conversion, failed."""
+
+
+class ServerError(GemmactlError):
+    """A llama-server process failed to start, answer or stream."""

@@ -1,6 +1,6 @@
 """`gemmactl quantize`, the library side: find the checkpoint, choose the output, run a format, register it.
 
-Each output format is one function here (`quantize_int4_stream` now); the CLI picks exactly one.
+int4-stream is `quantize_int4_stream` here; GGUF is `gemmactl.formats.gguf`. The CLI picks exactly one.
 """
 
 from __future__ import annotations

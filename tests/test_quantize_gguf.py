@@ -163,3 +163,14 @@ def test_existing_output_needs_force(built_home, tiny_checkpoint):
     assert again.returncode == 2 and "--force" in _one_line(again.stderr)
     forced = run_gemmactl(["quantize", str(checkpoint), "--gguf", "Q8_0", "--force", "--json"])
     assert forced.returncode == 0, forced.stderr
+
+
+def test_calibration_text_makes_an_importance_matrix(built_home, tiny_checkpoint, tmp_path):
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(["The quick brown fox jumps over the lazy dog."] * 200))
+    proc = run_gemmactl(["quantize", str(tiny_checkpoint("dense-ple")), "--gguf", "Q4_K_M", "--calibration", str(text), "--json"])
+    assert proc.returncode == 0, proc.stderr
+    entry = json.loads(proc.stdout)
+    assert entry["extra"]["imatrix"] == f"calibration:{text}"
+    log = next((built_home / "logs").glob("quantize-*Q4_K_M.log"))
+    assert "llama-imatrix" in log.read_text() and "--imatrix" in log.read_text()

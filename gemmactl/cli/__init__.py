@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "inspect": ("gemmactl.cli.inspect_cmd", "inspect_cmd", "Show the size and layers of an int4-stream artifact, and verify it."),
     "list": ("gemmactl.cli.store_cmds", "list_cmd", "List the models and artifacts in the store."),
     "rm": ("gemmactl.cli.store_cmds", "rm_cmd", "Remove a model or artifact from the store."),
+    "bench": ("gemmactl.cli.bench", "bench", "Measure decode-only and wall-clock speed, optionally side by side."),
 }
 
 

@@ -12,7 +12,7 @@ from gemmactl.cli.output import byte_progress, emit_json, human_bytes, progress_
 @click.command("run")
 @click.argument("prompt", nargs=-1)
 @click.option("--tier", "tier", metavar="NAME", help="Use this tier, whatever the prefix or heuristic says.")
-@click.option("--model", "model", metavar="REF", help="A .gguf path or store name to use instead of the tier's model.")
+@click.option("--model", "model", metavar="REF", help="A .gguf file, an int4-stream folder, or a store name, instead of the tier's model.")
 @click.option("--recipe", "recipe", metavar="FILE|NAME", help="Recipe of tiers (default: built-in 'default', or $GEMMACTL_RECIPE).")
 @click.option("--max-tokens", type=click.IntRange(min=1), metavar="N", help="Most tokens to generate (default: the tier's).")
 @click.option("--temperature", type=click.FloatRange(min=0.0), metavar="T", help="Sampling temperature; 0 is greedy (default: the tier's).")
@@ -87,7 +87,7 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, show_thinkin
                 "model": {
                     "ref": spec.model_ref,
                     "path": str(model_path),
-                    "backend": spec.tier.backend,
+                    "backend": backend.name,
                     "library": getattr(backend, "library", None),
                 },
                 "notices": getattr(backend, "notices", []),
@@ -148,7 +148,7 @@ def _stats_text(spec, model_path, s, backend) -> str:
     thinking = "on" if spec.request.thinking else "off"
     lines = [
         f"route: tier {route.tier} ({route.reason}), thinking {thinking}",
-        f"model: {spec.model_ref} ({model_path}) on {spec.tier.backend}"
+        f"model: {spec.model_ref} ({model_path}) on {backend.name}"
         + (f", {backend.threads} threads" if getattr(backend, "threads", None) else "")
         + (f", library: {backend.library}" if getattr(backend, "library", None) else "")
         + f", prompt mode {s.prompt_mode}",

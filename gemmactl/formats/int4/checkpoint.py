@@ -128,25 +128,38 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
 
 class TensorSource:
-    """Reads rows of checkpoint tensors through safetensors' safe_open, one handle per file."""
+    """Reads rows of checkpoint tensors through safetensors' safe_open, one handle per file.
+
+    safe_open maps the file, and every page read stays in this process's resident set until the
+    mapping goes; the handle is reopened after REOPEN_BYTES so memory stays bounded on any model.
+    """
+
+    REOPEN_BYTES = 128 << 20
 
     def __init__(self):
         self._handles: dict[Path, object] = {}
+        self._read: dict[Path, int] = {}
 
     def rows(self, tensor: SourceTensor, start: int, stop: int, expert: int | None = None):
         """Rows start:stop of the tensor (of one expert of a stack) as a torch tensor."""
         from safetensors import safe_open
 
         handle = self._handles.get(tensor.file)
-        if handle is None:
+        if handle is None or self._read.get(tensor.file, 0) > self.REOPEN_BYTES:
+            self._handles.pop(tensor.file, None)  # drop the old mapping first
             handle = self._handles[tensor.file] = safe_open(str(tensor.file), framework="pt")
+            self._read[tensor.file] = 0
         view = handle.get_slice(tensor.name)
         if not tensor.shape:
-            return view[:]
-        return view[expert, start:stop] if expert is not None else view[start:stop]
+            block = view[:]
+        else:
+            block = view[expert, start:stop] if expert is not None else view[start:stop]
+        self._read[tensor.file] += block.numel() * block.element_size()
+        return block
 
     def close(self) -> None:
         self._handles.clear()
+        self._read.clear()
 
 
 def copy_tokenizer(source: Path, target: Path) -> list[str]:

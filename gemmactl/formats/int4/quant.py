@@ -50,9 +50,10 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     # Codes are computed from the fp16 values actually stored, so decoding sees the same numbers.
     scale = scales.float().unsqueeze(-1)  # [R, G, 1]
     zero = zeros.float().unsqueeze(-1)  # [R, G, 1]
+    # A zero scale means a (numerically) constant group: every code is 0. In place, to keep
+    # the temporaries to one block-sized tensor.
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.where(scale > 0, torch.round((groups - zero) / safe), torch.zeros_like(groups))
-    codes = codes.clamp_(0, INT4_MAX).to(torch.uint8).reshape(rows, -1)  # [R, Cp]
+    codes = (groups - zero).div_(safe).round_().clamp_(0, INT4_MAX).to(torch.uint8).reshape(rows, -1)  # [R, Cp]
     return pack_nibbles(codes), scales, zeros
 
 
@@ -86,9 +87,9 @@ def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.float()
     scales = (w.abs().amax(dim=1) / INT8_MAX).to(torch.float16)  # [R]
     scale = scales.float().unsqueeze(1)  # [R, 1]
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.where(scale > 0, torch.round(w / safe), torch.zeros_like(w))
-    return q.clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scales
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row codes to 0
+    q = w.div(safe).round_().clamp_(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scales
 
 
 def dequantize_int8_rows(

@@ -28,7 +28,7 @@ from gemmactl.formats.int4.spec import (
 from gemmactl.formats.int4.writer import Int4ShardWriter, crc32_of
 from gemmactl.store import utc_now
 
-CHUNK_BYTES = 64 << 20  # float32 bytes of source rows quantized at once: bounds peak memory
+CHUNK_BYTES = 16 << 20  # float32 bytes of source rows quantized at once: bounds peak memory
 Progress = Callable[[int, int], None]
 
 

@@ -1,0 +1,208 @@
+"""A bench result as tables (text or Markdown), as files (result.json, plot.png)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Section:
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    notes: list[str]
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:,.0f} ms"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _mb(n: int | None) -> str:
+    return "-" if not n else f"{n / 1e6:,.0f} MB"
+
+
+def _spread(s: dict, fmt) -> str:
+    return f"{fmt(s['median'])} ({fmt(s['min'])}–{fmt(s['max'])})"
+
+
+def sections(result: dict) -> list[Section]:
+    """The tables a person reads, in order; medians with (min–max) over repeats."""
+    out = [_setup(result), _speed(result)]
+    for comparison in result["comparisons"]:
+        if comparison["prompt_set"] == "all":
+            out.append(_ratio(comparison))
+    if result["warm_prefix_summary"]:
+        out.append(_warm(result))
+    if result["concurrency"]:
+        out.append(_concurrency(result))
+    return out
+
+
+def _setup(result: dict) -> Section:
+    m = result["manifest"]
+    model, settings, machine, llama = m["model"], m["settings"], m["machine"], m["llama_cpp"]
+    build = llama.get("build") or {}
+    gpus = ", ".join(f"{g['name']} ({g['memory_bytes'] / 2**30:.0f} GiB, driver {g['driver']})" for g in machine["gpus"]) or "none"
+    rows = [
+        ["model", f"{model['path']} ({model.get('quantization') or model.get('format')}, sha256 {str(model.get('sha256'))[:12]}…)"],
+        ["settings", f"tier {settings['tier']} on {settings['backend']}, context {settings['context']}, "
+                     f"{settings['threads']} threads, greedy, max {settings['max_tokens']} tokens, {settings['repeat']} repeats"],
+        ["llama.cpp", f"in process: {llama.get('library_in_process')} (bindings {llama.get('bindings_version')}); "
+                      f"build: {build.get('build_id', 'none')} {build.get('backend', '')}".rstrip()],
+        ["machine", f"{machine['cpu_model']}, {machine['cpu_cores']} cores, {machine['ram_bytes'] / 2**30:.0f} GiB RAM; "
+                    f"GPU: {gpus}; CUDA {machine.get('cuda_toolkit') or '-'}"],
+        ["gemmactl", f"{m['gemmactl_version']}; load average at start {', '.join(f'{x:.2f}' for x in m.get('load_average_at_start') or [])}"],
+    ]
+    notes = [f"{s['target']} skipped: {s['reason']}" for s in result["skipped"]]
+    if settings.get("context_note"):
+        notes.append(f"context {settings['context_note']}")
+    return Section("Setup", ["", ""], rows, notes)
+
+
+def _speed(result: dict) -> Section:
+    rows = []
+    single_set = len({s["prompt_set"] for s in result["summary"]}) <= 2  # one set, plus its copy as "all"
+    for s in result["summary"]:
+        if single_set and s["prompt_set"] == "all":
+            continue
+        rows.append([
+            s["target"], s["prompt_set"], str(s["runs"]), f"{s['load_s']:.2f} s",
+            f"{s['prompt_tokens']['median']:.0f}", _spread(s["ttft_s"], _ms), _rate(s["prefill_tok_s"]["median"]),
+            _spread(s["decode_tok_s"], _rate), _spread(s["wall_tok_s"], _rate), _mb(s["peak_rss_bytes"]),
+        ])
+    checks = result["checks"]
+    notes = ["decode tok/s = tokens after the first ÷ time after the first; wall tok/s = all tokens ÷ request → last token."]
+    if checks["wall_above_decode_runs"]:
+        notes.append(f"{checks['wall_above_decode_runs']} of {checks['runs']} runs had wall tok/s above decode-only: "
+                     "their first token came faster than one decode step (a very short prompt).")
+    return Section("Speed per target and prompt set (median, min–max)",
+                   ["target", "prompts", "runs", "load", "prompt tok", "TTFT", "prefill tok/s", "decode tok/s",
+                    "wall tok/s", "peak RSS"], rows, notes)
+
+
+def _ratio(c: dict) -> Section:
+    rows = [[metric, f"{r['min']:.3f}", f"{r['median']:.3f}", f"{r['max']:.3f}"]
+            for metric, r in c["ratio_gemmactl_over_target"].items()]
+    notes = [f"{c['pairs']} interleaved pairs; same greedy text in every pair: {'yes' if c['same_text'] else 'no'}; "
+             f"same prompt and generated token counts: {'yes' if c['same_tokens'] else 'no'}."]
+    return Section(f"gemmactl ÷ {c['target']}, pair by pair", ["metric", "min", "median", "max"], rows, notes)
+
+
+def _warm(result: dict) -> Section:
+    rows = []
+    notes = []
+    for w in result["warm_prefix_summary"]:
+        rows.append([w["target"], str(w["prompt_tokens"]), _ms(w["cold_ttft_s"]["median"]), _ms(w["warm_ttft_s"]["median"]),
+                     f"{w['warm_over_cold']['median']:.3f}", f"{w['cached_tokens']['median']:.0f}",
+                     "yes" if w["same_text"] else f"{w['same_text_repeats']} of {w['repeats']}"])
+        notes.append(f"{w['target']}: {w['note']}.")
+    return Section("Warm prefix: the same long prompt cold, then warm (median TTFT)",
+                   ["target", "prompt tok", "cold TTFT", "warm TTFT", "warm ÷ cold", "cached tok", "same text"], rows, notes)
+
+
+def _concurrency(result: dict) -> Section:
+    rows = []
+    for c in result["concurrency"]:
+        lat, ttft = c["latency_s"], c["ttft_s"]
+        rows.append([
+            str(c["concurrency"]), str(c["requests"]), _spread(c["aggregate_tok_s"], _rate),
+            f"{c['speedup_vs_1']:.2f}×" if "speedup_vs_1" in c else "-",
+            f"{lat['p50']:.2f} / {lat['p90']:.2f} / {lat['p99']:.2f} s",
+            f"{ttft['p50'] * 1000:,.0f} / {ttft['p90'] * 1000:,.0f} / {ttft['p99'] * 1000:,.0f} ms",
+            _mb(c.get("peak_rss_bytes")),
+        ])
+    return Section("Concurrency against llama-server (N slots, N clients)",
+                   ["clients", "requests", "aggregate tok/s", "vs 1", "latency p50/p90/p99", "TTFT p50/p90/p99", "server RSS"],
+                   rows, ["aggregate tok/s: a round's generated tokens ÷ (first request start → last token), median over rounds."])
+
+
+def render_text(parts: list[Section]) -> str:
+    blocks = []
+    for part in parts:
+        widths = [max(len(str(cell)) for cell in column) for column in zip(part.headers, *part.rows)]
+        lines = [part.title]
+        body = part.rows if not any(part.headers) else [part.headers, *part.rows]
+        for row in body:
+            lines.append("  " + "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        lines += [f"  {note}" for note in part.notes]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def render_markdown(parts: list[Section]) -> str:
+    blocks = []
+    for part in parts:
+        headers = part.headers if any(part.headers) else ["what", "value"]
+        lines = [f"**{part.title}**", "", "| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
+        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in part.rows]
+        if part.notes:
+            lines += [""] + part.notes
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def write_result(result: dict, out_dir: Path) -> Path:
+    """result.json in out_dir, written whole or not at all."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "result.json"
+    tmp = path.with_name(f".result.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def write_plot(result: dict, out_dir: Path) -> Path:
+    """plot.png: tok/s vs concurrency (or per target), and cold vs warm TTFT (or TTFT per target)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    if result["concurrency"]:
+        levels = [c["concurrency"] for c in result["concurrency"]]
+        left.plot(levels, [c["aggregate_tok_s"]["median"] for c in result["concurrency"]], "o-", label="aggregate")
+        left.plot(levels, [c["decode_tok_s"]["p50"] for c in result["concurrency"]], "s--", label="per request (decode p50)")
+        left.set_xscale("log", base=2)
+        left.set_xticks(levels, [str(level) for level in levels])
+        left.set_xlabel("concurrent requests (llama-server slots)")
+        left.legend()
+        left.set_title("tok/s vs concurrency")
+    else:
+        overall = [s for s in result["summary"] if s["prompt_set"] == "all"]
+        names = [s["target"] for s in overall]
+        x = range(len(names))
+        left.bar([i - 0.2 for i in x], [s["decode_tok_s"]["median"] for s in overall], 0.4, label="decode only")
+        left.bar([i + 0.2 for i in x], [s["wall_tok_s"]["median"] for s in overall], 0.4, label="wall clock")
+        left.set_xticks(list(x), names)
+        left.legend()
+        left.set_title("tok/s per target (median)")
+    left.set_ylabel("tokens / s")
+    if result["warm_prefix_summary"]:
+        warm = result["warm_prefix_summary"]
+        x = range(len(warm))
+        right.bar([i - 0.2 for i in x], [w["cold_ttft_s"]["median"] * 1000 for w in warm], 0.4, label="cold")
+        right.bar([i + 0.2 for i in x], [w["warm_ttft_s"]["median"] * 1000 for w in warm], 0.4, label="warm")
+        right.set_xticks(list(x), [w["target"] for w in warm])
+        right.set_title(f"TTFT, {warm[0]['prompt_tokens']}-token prompt: cold vs warm")
+        right.legend()
+    else:
+        overall = [s for s in result["summary"] if s["prompt_set"] == "all"]
+        right.bar([s["target"] for s in overall], [s["ttft_s"]["median"] * 1000 for s in overall])
+        right.set_title("TTFT per target (median)")
+    right.set_ylabel("ms")
+    model = result["manifest"]["model"]
+    fig.suptitle(f"gemmactl bench: {Path(model['path']).name} ({model.get('quantization') or ''})", fontsize=10)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "plot.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,352 @@
+"""The order of a bench run: load, warm up, interleave A B A B, warm prefix, concurrency."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from gemmactl.bench import stats
+from gemmactl.bench.manifest import build_manifest, llama_cpp_identity, model_identity
+from gemmactl.bench.prompts import LONG_PREFIX, BenchPrompt, load_prompts, long_conversation
+from gemmactl.bench.targets import (
+    COMPARE_CLASSES, COMPARE_TARGETS, OURS, GemmactlTarget, TargetSettings, TargetUnavailable,
+)
+from gemmactl.errors import InvalidOptionError, NoLlamaBuildError, PromptTooLongError
+from gemmactl.store import Store
+
+WARMUP_TOKENS = 4
+RATIO_METRICS = ("wall_tok_s", "decode_tok_s", "ttft_s")
+SUMMARY_METRICS = ("ttft_s", "prefill_tok_s", "decode_tok_s", "wall_tok_s", "wall_s")
+Progress = Callable[[str], None]
+
+
+@dataclass
+class BenchConfig:
+    """Everything a bench run was asked for (the CLI's flags, parsed)."""
+
+    recipe: str | None = None
+    model: str | None = None
+    tier: str | None = None
+    prompts: str = "builtin"
+    max_tokens: int = 128
+    concurrency: list[int] = field(default_factory=lambda: [1])
+    repeat: int = 3
+    warm_prefix: bool = False
+    compare: list[str] = field(default_factory=list)
+    hf_model: str | None = None
+    vram_bytes: int | None = None
+    context: int | None = None
+    timeout_s: float = 600.0
+    flags: dict = field(default_factory=dict)
+    argv: list[str] = field(default_factory=list)
+
+
+def parse_concurrency(text: str) -> list[int]:
+    """"1,16,64" → [1, 16, 64]; anything else is bad input."""
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or any(level < 1 for level in levels):
+        raise InvalidOptionError(
+            f"--concurrency {text!r} is not a list of positive whole numbers", hint="Write it like 1,16,64."
+        )
+    return sorted(set(levels))
+
+
+def parse_compare(values: list[str]) -> list[str]:
+    """Targets from repeated and comma-separated --compare values, each known, in order, once."""
+    names = [name.strip() for value in values for name in value.split(",") if name.strip()]
+    for name in names:
+        if name not in COMPARE_TARGETS:
+            raise InvalidOptionError(
+                f"unknown --compare target '{name}'", hint=f"Choose from {', '.join(COMPARE_TARGETS)}."
+            )
+    return list(dict.fromkeys(names))
+
+
+def check_config(config: BenchConfig) -> list[BenchPrompt]:
+    """Refuse bad input before anything loads; returns the prompts."""
+    if config.max_tokens < 1 or config.repeat < 1:
+        raise InvalidOptionError("--max-tokens and --repeat must be at least 1")
+    parse_compare(config.compare)
+    return load_prompts(config.prompts)
+
+
+def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Progress | None = None) -> dict:
+    """Measure gemmactl (and each --compare target) and return the result with its manifest."""
+    from gemmactl.oneshot import model_backend, plan_run, resolve_run_model
+    from gemmactl.recipes import resolve_recipe
+
+    progress = progress or (lambda message: None)
+    prompts = check_config(config)
+    compare = parse_compare(config.compare)
+    spec = plan_run("bench", resolve_recipe(config.recipe), tier=config.tier, model=config.model,
+                    max_tokens=config.max_tokens, temperature=0.0, raw=True)
+    # Greedy and unpenalised on every side, so that all targets can produce the same text.
+    request = replace(spec.request, repeat_penalty=1.0, seed=0)
+    model_path = resolve_run_model(spec, store)
+    backend_name = model_backend(model_path, spec.tier.backend)
+    needs_server = any(level > 1 for level in config.concurrency)
+    server_binary = _server_binary(store, required=needs_server)
+    hf_model = _hf_model(config.hf_model, model_path, store)
+
+    progress(f"loading {model_path.name}")
+    backend, context_note = _load_fitting(backend_name, model_path, spec.tier.context, request, prompts, config, store)
+
+    settings = TargetSettings(
+        model_path=str(model_path), is_gguf=model_path.is_file() and backend_name == "llamacpp",
+        context=backend.context_size, threads=getattr(backend, "threads", None) or _threads(),
+        extra_buffers=getattr(backend, "extra_buffers", True), n_gpu_layers=-1, log_dir=log_dir,
+        server_binary=server_binary, hf_model=hf_model,
+        vram_bytes=config.vram_bytes,
+    )
+    targets = [GemmactlTarget(backend, request)]
+    skipped = []
+    try:
+        for name in compare:
+            progress(f"loading {name}")
+            try:
+                targets.append(COMPARE_CLASSES[name](settings))
+            except TargetUnavailable as exc:
+                skipped.append({"target": name, "reason": str(exc)})
+        for target in targets:  # one untimed request: first-call allocations are not what users wait for
+            target.generate(prompts[0].text, WARMUP_TOKENS)
+        runs = _interleaved(targets, prompts, config, progress)
+        warm = _warm_prefix(targets, config, progress) if config.warm_prefix else []
+        loads = {target.name: target.load_s for target in targets}
+        infos = {target.name: target.info() for target in targets}
+    finally:
+        for target in reversed(targets):
+            target.close()
+
+    concurrency = []
+    if config.concurrency != [1]:
+        from gemmactl.bench.concurrency import run_level
+
+        loaded = [p for p in prompts if p.set != LONG_PREFIX] or prompts
+        for level in config.concurrency:
+            concurrency.append(run_level(settings, loaded, level, rounds=config.repeat, max_tokens=config.max_tokens,
+                                         timeout_s=config.timeout_s, progress=progress))
+        base = next((row for row in concurrency if row["concurrency"] == 1), None)
+        for row in concurrency:
+            if base and base["aggregate_tok_s"]["median"]:
+                row["speedup_vs_1"] = row["aggregate_tok_s"]["median"] / base["aggregate_tok_s"]["median"]
+
+    manifest = build_manifest(
+        store=store,
+        model=model_identity(model_path, store, getattr(backend, "metadata", None)),
+        llama_cpp=llama_cpp_identity(store, getattr(backend, "library", None)),
+        settings={
+            "context": settings.context, "context_note": context_note, "threads": settings.threads,
+            "extra_buffers": settings.extra_buffers, "n_gpu_layers": settings.n_gpu_layers,
+            "temperature": 0.0, "repeat_penalty": 1.0, "max_tokens": config.max_tokens, "repeat": config.repeat,
+            "warmup": f"one untimed {WARMUP_TOKENS}-token request per target after loading",
+            "tier": spec.tier.name, "backend": backend_name, "prompts": [p.name for p in prompts],
+        },
+        flags=config.flags, argv=config.argv,
+    )
+    return {
+        "manifest": manifest,
+        "targets": {name: {"load_s": loads[name], **infos[name]} for name in loads},
+        "runs": runs,
+        "summary": _summaries(runs),
+        "comparisons": _comparisons(runs, [t.name for t in targets if t.name != OURS]),
+        "warm_prefix": warm,
+        "warm_prefix_summary": _warm_summaries(warm, {t.name: t for t in targets}),
+        "concurrency": concurrency,
+        "skipped": skipped,
+        "checks": _checks(runs),
+    }
+
+
+def _load_fitting(backend_name, model_path, tier_context, request, prompts, config: BenchConfig, store: Store):
+    """gemmactl's backend with a context that holds the longest prompt plus --max-tokens (and why, if raised)."""
+    backend, library = _open(backend_name, model_path, config.context or tier_context, store)
+    try:
+        longest = max(len(backend.prepare(replace(request, prompt=p.text)).tokens) for p in _all_prompts(prompts, config))
+    except BaseException:
+        backend.close()
+        raise
+    needed = longest + config.max_tokens
+    if needed <= backend.context_size:
+        return backend, None
+    backend.close()
+    if config.context:
+        raise PromptTooLongError(
+            f"the longest prompt is {longest} tokens; with --max-tokens {config.max_tokens} it needs a "
+            f"context of {needed}, but --context is {config.context}",
+            hint=f"Pass --context {_round_up(needed)} or fewer --max-tokens.",
+        )
+    note = f"raised from the tier's {backend.context_size} to fit {longest} prompt + {config.max_tokens} tokens"
+    return _open(backend_name, model_path, _round_up(needed), store, library)[0], note
+
+
+def _open(backend_name: str, model_path: Path, context: int, store: Store, library=None):
+    """Load gemmactl's backend for the model, as `run` does (llama.cpp from the active build when it matches)."""
+    from gemmactl.runtime import backend_class
+
+    options = {}
+    if backend_name == "llamacpp":
+        from gemmactl.llamacpp.library import select_library
+
+        # Chosen once: after llama_cpp is imported the choice cannot change, only be reused.
+        library = library or select_library(store)
+        options["library"] = library
+    return backend_class(backend_name)(str(model_path), context_size=context, **options), library
+
+
+def _all_prompts(prompts: list[BenchPrompt], config: BenchConfig) -> list[BenchPrompt]:
+    extra = [BenchPrompt(LONG_PREFIX, "warm", long_conversation(1))] if config.warm_prefix else []
+    return prompts + extra
+
+
+def _round_up(tokens: int, step: int = 512) -> int:
+    return -(-tokens // step) * step
+
+
+def _threads() -> int:
+    from gemmactl.runtime.llamacpp import default_threads
+
+    return default_threads()
+
+
+def _server_binary(store: Store, *, required: bool) -> Path | None:
+    from gemmactl.llamacpp.build import active_build
+
+    build = active_build(store)
+    if build is None or "llama-server" not in build.binaries:
+        if required:
+            raise NoLlamaBuildError("--concurrency above 1 runs against llama-server, and there is no llama.cpp build with it")
+        return None
+    return build.binary("llama-server")
+
+
+def _hf_model(ref: str | None, model_path: Path, store: Store) -> Path | None:
+    """--hf-model (a directory or store name), else the store's checkpoint the GGUF was made from."""
+    if ref:
+        artifact = store.get(ref)
+        path = Path(artifact.path) if artifact else Path(ref).expanduser()
+        if not (path / "config.json").is_file():
+            raise InvalidOptionError(f"--hf-model {ref}: no config.json there; pass a Hugging Face checkpoint directory")
+        return path
+    made = next((a for a in store.list() if Path(a.path) == model_path), None)
+    if made is None or not made.source:
+        return None
+    origin = next((a for a in store.list() if a.format == "hf" and a.source == made.source), None)
+    return Path(origin.path) if origin else None
+
+
+def _interleaved(targets, prompts: list[BenchPrompt], config: BenchConfig, progress: Progress) -> list[dict]:
+    """Repeat by repeat, prompt by prompt, each target in turn: A B A B, so drift hits all alike."""
+    rows = []
+    for repeat in range(1, config.repeat + 1):
+        for prompt in prompts:
+            for target in targets:
+                progress(f"{target.name}: {prompt.name}, repeat {repeat}/{config.repeat}")
+                sample = target.generate(prompt.text, config.max_tokens)
+                rows.append({
+                    "target": target.name, "prompt_set": prompt.set, "prompt": prompt.name, "repeat": repeat,
+                    "load_s": target.load_s, **sample.metrics,
+                    "engine_decode_tok_s": sample.engine_decode_tok_s, **target.memory(), "text": sample.text,
+                })
+    return rows
+
+
+def _warm_prefix(targets, config: BenchConfig, progress: Progress) -> list[dict]:
+    """The long conversation cold, then the same again warm; a new variant each repeat, so cold is cold."""
+    rows = []
+    for repeat in range(1, config.repeat + 1):
+        text = long_conversation(variant=repeat)
+        for target in targets:
+            progress(f"{target.name}: warm prefix, repeat {repeat}/{config.repeat}")
+            cold = target.generate(text, config.max_tokens, cache="fill")
+            warm = target.generate(text, config.max_tokens, cache="reuse")
+            rows.append({
+                "target": target.name, "repeat": repeat, "prompt_tokens": cold.metrics["prompt_tokens"],
+                "cold_ttft_s": cold.metrics["ttft_s"], "warm_ttft_s": warm.metrics["ttft_s"],
+                "warm_over_cold": warm.metrics["ttft_s"] / cold.metrics["ttft_s"] if cold.metrics["ttft_s"] else None,
+                "cached_tokens": warm.cached_tokens, "same_text": cold.text == warm.text,
+                "first_difference": _first_difference(cold.text, warm.text), "cold_text": cold.text, "warm_text": warm.text,
+            })
+    return rows
+
+
+def _warm_summaries(rows: list[dict], targets: dict) -> list[dict]:
+    out = []
+    for name in dict.fromkeys(row["target"] for row in rows):
+        mine = [row for row in rows if row["target"] == name]
+        out.append({
+            "target": name,
+            "prefix_reuse": targets[name].prefix_reuse,
+            "note": targets[name].note,
+            "prompt_tokens": mine[0]["prompt_tokens"],
+            "cold_ttft_s": stats.summary([row["cold_ttft_s"] for row in mine]),
+            "warm_ttft_s": stats.summary([row["warm_ttft_s"] for row in mine]),
+            "warm_over_cold": stats.summary([row["warm_over_cold"] for row in mine if row["warm_over_cold"]]),
+            "cached_tokens": stats.summary([row["cached_tokens"] or 0 for row in mine]),
+            "same_text": all(row["same_text"] for row in mine),
+            "same_text_repeats": sum(row["same_text"] for row in mine),
+            "repeats": len(mine),
+        })
+    return out
+
+
+def _first_difference(a: str, b: str) -> int | None:
+    """Index of the first character where two texts differ (None when equal): a late flip is a near tie, an early one a broken cache."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _summaries(runs: list[dict]) -> list[dict]:
+    """min/median/max of each metric per target and prompt set (and over all prompts)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in runs:
+        groups.setdefault((row["target"], row["prompt_set"]), []).append(row)
+        groups.setdefault((row["target"], "all"), []).append(row)
+    return [
+        {"target": target, "prompt_set": prompt_set, "runs": len(rows), "load_s": rows[0]["load_s"],
+         "prompt_tokens": stats.summary([r["prompt_tokens"] for r in rows]),
+         "generated_tokens": stats.summary([r["generated_tokens"] for r in rows]),
+         **{metric: stats.summary([r[metric] for r in rows]) for metric in SUMMARY_METRICS},
+         "peak_rss_bytes": max((r["peak_rss_bytes"] or 0) for r in rows), "memory_scope": rows[0]["memory_scope"]}
+        for (target, prompt_set), rows in sorted(groups.items(), key=lambda item: (item[0][1] == "all", _order(runs, item[0])))
+    ]
+
+
+def _order(runs: list[dict], key: tuple[str, str]) -> tuple[int, int]:
+    """Prompt sets in the order they ran, targets in the order they ran within a set."""
+    sets = list(dict.fromkeys(r["prompt_set"] for r in runs))
+    targets = list(dict.fromkeys(r["target"] for r in runs))
+    return (sets.index(key[1]) if key[1] in sets else len(sets), targets.index(key[0]))
+
+
+def _comparisons(runs: list[dict], others: list[str]) -> list[dict]:
+    """gemmactl ÷ target, pair by pair (same prompt, same repeat), per prompt set and over all."""
+    ours = {(r["prompt"], r["repeat"]): r for r in runs if r["target"] == OURS}
+    out = []
+    for name in others:
+        pairs = [(ours[(r["prompt"], r["repeat"])], r) for r in runs if r["target"] == name]
+        sets = ["all"] + list(dict.fromkeys(r["prompt_set"] for _, r in pairs))
+        for prompt_set in sets:
+            chosen = [(a, b) for a, b in pairs if prompt_set == "all" or b["prompt_set"] == prompt_set]
+            ratios = {m: stats.pair_ratios([a[m] for a, _ in chosen], [b[m] for _, b in chosen]) for m in RATIO_METRICS}
+            out.append({
+                "target": name, "prompt_set": prompt_set, "pairs": len(chosen),
+                "ratio_gemmactl_over_target": {m: {**stats.summary(v), "pairs": v} for m, v in ratios.items() if v},
+                "same_text": all(a["text"] == b["text"] for a, b in chosen),
+                "same_tokens": all(a["prompt_tokens"] == b["prompt_tokens"] and a["generated_tokens"] == b["generated_tokens"]
+                                   for a, b in chosen),
+            })
+    return out
+
+
+def _checks(runs: list[dict]) -> dict:
+    """The arithmetic's invariants on the measured runs (see stats.py)."""
+    return {
+        "wall_identity_max_error_s": max((stats.wall_identity_error(r) for r in runs), default=0.0),
+        "wall_above_decode_runs": sum(stats.wall_exceeds_decode(r) for r in runs),
+        "runs": len(runs),
+    }

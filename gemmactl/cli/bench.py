@@ -1,0 +1,107 @@
+"""`gemmactl bench`: decode-only and wall-clock speed, side by side with alternatives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from gemmactl.cli.output import emit_json, progress_enabled
+
+
+@click.command("bench")
+@click.option("--recipe", "recipe", metavar="FILE|NAME", help="Recipe of tiers (default: built-in 'default', or $GEMMACTL_RECIPE).")
+@click.option("--model", "model", metavar="REF", help="A .gguf path or store name instead of the tier's model.")
+@click.option("--tier", "tier", metavar="NAME", help="The tier whose model and settings to measure (default: the recipe's default).")
+@click.option("--prompts", "prompts", default="builtin", show_default=True, metavar="builtin|SET,...|FILE",
+              help="builtin (all sets), sets among short, long-prefix, code, prose, or a file (one prompt per line, or .jsonl).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True, metavar="N", help="Tokens to generate per request.")
+@click.option("--concurrency", "concurrency", default="1", show_default=True, metavar="LIST",
+              help="Concurrent requests, e.g. 1,16,64; any level above 1 runs against llama-server with that many slots.")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, metavar="N", help="Repeats of every measurement.")
+@click.option("--warm-prefix", is_flag=True, help="Also send a ≥ 2k-token conversation twice: cold, then warm TTFT.")
+@click.option("--compare", "compare", multiple=True, metavar="TARGET",
+              help="Also measure llama-cpp-python, llama-server, hf-generate or accelerate, interleaved (repeatable).")
+@click.option("--hf-model", "hf_model", metavar="DIR|NAME", help="Hugging Face checkpoint of the same model, for hf-generate and accelerate.")
+@click.option("--vram", "vram", metavar="SIZE", help="VRAM cap for accelerate's device_map=\"auto\", e.g. 4GiB (default: the whole GPU).")
+@click.option("--context", type=click.IntRange(min=128), metavar="N", help="Context size (default: the tier's, raised to fit the prompts).")
+@click.option("--timeout", "timeout", type=click.FloatRange(min=1), default=600, show_default=True, metavar="S",
+              help="Time limit in seconds for each concurrency level.")
+@click.option("--json", "json_mode", is_flag=True, help="Print the whole result as one JSON object.")
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), metavar="DIR", help="Write result.json (and plot.png) here.")
+@click.option("--plot", is_flag=True, help="With --out: also write plot.png (tok/s vs concurrency, cold vs warm TTFT).")
+def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_prefix, compare, hf_model, vram,
+          context, timeout, json_mode, out, plot):
+    """Measure decode-only and wall-clock speed, optionally side by side.
+
+    Every run reports load time, time to first token, prefill, decode-only and wall-clock tok/s
+    and peak memory, with a manifest (versions, build, machine, model sha256, flags). --compare
+    runs alternatives on the same model and settings, interleaved, and prints ratios pair by pair.
+
+    \b
+    Examples:
+      gemmactl bench --max-tokens 64 --repeat 5
+      gemmactl bench --compare llama-cpp-python --compare llama-server --warm-prefix
+      gemmactl bench --concurrency 1,4,16 --out results --plot
+    """
+    from gemmactl.bench.report import render_text, sections, write_plot, write_result
+    from gemmactl.bench.runner import BenchConfig, check_config, parse_concurrency, run_bench
+    from gemmactl.errors import InvalidOptionError
+    from gemmactl.store import Store
+
+    if plot and out is None:
+        raise InvalidOptionError("--plot writes plot.png into --out DIR", hint="Pass --out DIR as well.")
+    vram_bytes = None
+    if vram:
+        from gemmactl.quantize import parse_size
+
+        vram_bytes = parse_size(vram)
+    ctx = click.get_current_context()
+    config = BenchConfig(
+        recipe=recipe, model=model, tier=tier, prompts=prompts, max_tokens=max_tokens,
+        concurrency=parse_concurrency(concurrency), repeat=repeat, warm_prefix=warm_prefix, compare=list(compare),
+        hf_model=hf_model, vram_bytes=vram_bytes, context=context, timeout_s=timeout,
+        flags=dict(ctx.params), argv=_command_args(ctx),
+    )
+    check_config(config)
+    if plot:
+        _require_matplotlib()
+    store = Store()
+    log_dir = (out / "logs") if out else store.home / "bench" / "logs"
+    show = progress_enabled(json_mode)
+    result = run_bench(config, store, log_dir=log_dir,
+                       progress=(lambda message: click.echo(f"… {message}", err=True)) if show else None)
+    if out:
+        write_result(result, out)
+        if plot:
+            write_plot(result, out)
+    if json_mode:
+        emit_json(result)
+        return
+    click.echo(render_text(sections(result)))
+    if out:
+        click.echo(f"\nWrote {out / 'result.json'}" + (f" and {out / 'plot.png'}" if plot else ""))
+
+
+def _command_args(ctx: click.Context) -> list[str]:
+    """The options that differ from their defaults, as a command line that repeats this run."""
+    args = []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if value is None or value is False or value == () or value == param.default:
+            continue
+        option = param.opts[0]
+        for item in value if isinstance(value, tuple) else [value]:
+            args += [option] if value is True else [option, str(item)]
+    return args
+
+
+def _require_matplotlib() -> None:
+    from gemmactl.errors import InvalidOptionError
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise InvalidOptionError(
+            "--plot needs matplotlib, which is not installed", hint="Install it: pip install 'gemmactl[bench]'"
+        ) from None
