@@ -8,10 +8,8 @@ from typing import Callable
 
 from gemmactl.bench.prompts import BenchPrompt
 from gemmactl.bench.stats import aggregate_tok_s, percentiles, request_metrics, summary
-from gemmactl.bench.targets import LlamaServerTarget, TargetSettings
+from gemmactl.bench.targets import WARMUP_TOKENS, LlamaServerTarget, TargetSettings
 from gemmactl.errors import ServerError
-
-WARMUP_TOKENS = 4
 
 
 def run_level(

@@ -65,7 +65,13 @@ def llama_cpp_identity(store: Store, library_label: str | None) -> dict:
     return identity
 
 
-def build_manifest(*, store: Store, model: dict, llama_cpp: dict, settings: dict, flags: dict, argv: list[str]) -> dict:
+def load_average() -> list[float] | None:
+    """The 1-, 5- and 15-minute load averages: other work on the machine skews every figure."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def build_manifest(*, store: Store, model: dict, llama_cpp: dict, settings: dict, flags: dict, argv: list[str],
+                   load_at_start: list[float] | None) -> dict:
     """The manifest stored with every result."""
     machine = detect_machine().to_dict()
     return {
@@ -77,7 +83,8 @@ def build_manifest(*, store: Store, model: dict, llama_cpp: dict, settings: dict
         "model": model,
         "llama_cpp": llama_cpp,
         "machine": machine,
-        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "load_average_at_start": load_at_start,
+        "load_average_at_end": load_average(),
         "python": platform.python_version(),
         "platform": platform.platform(),
     }

@@ -58,7 +58,8 @@ def _setup(result: dict) -> Section:
                       f"build: {build.get('build_id', 'none')} {build.get('backend', '')}".rstrip()],
         ["machine", f"{machine['cpu_model']}, {machine['cpu_cores']} cores, {machine['ram_bytes'] / 2**30:.0f} GiB RAM; "
                     f"GPU: {gpus}; CUDA {machine.get('cuda_toolkit') or '-'}"],
-        ["gemmactl", f"{m['gemmactl_version']}; load average at start {', '.join(f'{x:.2f}' for x in m.get('load_average_at_start') or [])}"],
+        ["gemmactl", f"{m['gemmactl_version']}; load average (1, 5, 15 min) at start "
+                     f"{', '.join(f'{x:.2f}' for x in m.get('load_average_at_start') or [])}"],
     ]
     notes = [f"{s['target']} skipped: {s['reason']}" for s in result["skipped"]]
     if settings.get("context_note"):

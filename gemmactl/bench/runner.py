@@ -7,15 +7,14 @@ from pathlib import Path
 from typing import Callable
 
 from gemmactl.bench import stats
-from gemmactl.bench.manifest import build_manifest, llama_cpp_identity, model_identity
+from gemmactl.bench.manifest import build_manifest, llama_cpp_identity, load_average, model_identity
 from gemmactl.bench.prompts import LONG_PREFIX, BenchPrompt, load_prompts, long_conversation
 from gemmactl.bench.targets import (
-    COMPARE_CLASSES, COMPARE_TARGETS, OURS, GemmactlTarget, TargetSettings, TargetUnavailable,
+    COMPARE_CLASSES, COMPARE_TARGETS, OURS, WARMUP_TOKENS, GemmactlTarget, TargetSettings, TargetUnavailable,
 )
 from gemmactl.errors import InvalidOptionError, NoLlamaBuildError, PromptTooLongError
 from gemmactl.store import Store
 
-WARMUP_TOKENS = 4
 RATIO_METRICS = ("wall_tok_s", "decode_tok_s", "ttft_s")
 SUMMARY_METRICS = ("ttft_s", "prefill_tok_s", "decode_tok_s", "wall_tok_s", "wall_s")
 Progress = Callable[[str], None]
@@ -80,6 +79,7 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
     from gemmactl.recipes import resolve_recipe
 
     progress = progress or (lambda message: None)
+    load_at_start = load_average()
     prompts = check_config(config)
     compare = parse_compare(config.compare)
     spec = plan_run("bench", resolve_recipe(config.recipe), tier=config.tier, model=config.model,
@@ -111,7 +111,7 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
                 targets.append(COMPARE_CLASSES[name](settings))
             except TargetUnavailable as exc:
                 skipped.append({"target": name, "reason": str(exc)})
-        for target in targets:  # one untimed request: first-call allocations are not what users wait for
+        for target in targets:
             target.generate(prompts[0].text, WARMUP_TOKENS)
         runs = _interleaved(targets, prompts, config, progress)
         warm = _warm_prefix(targets, config, progress) if config.warm_prefix else []
@@ -145,7 +145,7 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
             "warmup": f"one untimed {WARMUP_TOKENS}-token request per target after loading",
             "tier": spec.tier.name, "backend": backend_name, "prompts": [p.name for p in prompts],
         },
-        flags=config.flags, argv=config.argv,
+        flags=config.flags, argv=config.argv, load_at_start=load_at_start,
     )
     return {
         "manifest": manifest,

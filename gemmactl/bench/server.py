@@ -63,9 +63,10 @@ class LlamaServer:
             str(binary), "-m", str(model_path), "--host", HOST, "--port", str(self.port),
             "-t", str(threads), "-tb", str(threads), "-c", str(context * parallel), "-np", str(parallel),
             "-ngl", str(n_gpu_layers), "--no-kv-unified",
-            # llama-cpp-python (gemmactl in process) runs without flash attention; the server's
-            # "auto" would turn it on, and its different rounding can change a greedy token.
-            "-fa", "off",
+            # The same attention work as in process (llama-cpp-python): no flash attention, and a
+            # full-size cache for the sliding-window layers (the C API's default; the server's own
+            # default keeps only the window). Either difference flips near-tie greedy tokens.
+            "-fa", "off", "--swa-full",
         ] + ([] if repack else ["--no-repack"])
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"llama-server-np{parallel}-{self.port}.log"

@@ -17,6 +17,7 @@ from gemmactl.runtime.base import GenerationRequest, GenerationStats, peak_rss_b
 
 COMPARE_TARGETS = ("llama-cpp-python", "llama-server", "hf-generate", "accelerate")
 OURS = "gemmactl"
+WARMUP_TOKENS = 4  # one untimed request after loading: first-call allocations are not what users wait for
 IN_PROCESS_NOTE = "peak RSS of the bench process, shared by every in-process target"
 
 
