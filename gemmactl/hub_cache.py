@@ -14,6 +14,8 @@ an offline pull can say exactly which files a snapshot still lacks.
 
 from __future__ import annotations
 
+from gemmactl.fileio import sha256_file  # noqa: F401 - part of this module's API
+
 import hashlib
 import json
 import os
@@ -67,14 +69,6 @@ def hf_cache_dir() -> Path:
 
 def repo_folder_name(repo_id: str) -> str:
     return "models--" + repo_id.replace("/", "--")
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def git_blob_sha1(path: Path) -> str:

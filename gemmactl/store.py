@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gemmactl.errors import ModelNotFoundError, StoreEntryNotFoundError, StoreError
+from gemmactl.fileio import fsync_dir
 
 MANIFEST_FORMAT = "gemmactl-manifest"
 MANIFEST_VERSION = 1
@@ -264,7 +265,7 @@ class Store:
         except BaseException:
             _unlink_quietly(tmp_name)
             raise
-        _fsync_dir(self.home)
+        fsync_dir(self.home)
 
 
 def _unlink_quietly(path: str) -> None:
@@ -275,15 +276,3 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _fsync_dir(path: Path) -> None:
-    """Flush a directory entry so a rename survives a crash; best effort where unsupported."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
+from gemmactl.fileio import sha256_file
+
 import os
 import platform
 import sys
@@ -21,21 +22,13 @@ FILE_TYPES = {
 }
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def model_identity(path: Path, store: Store, metadata: dict | None) -> dict:
     """Path, format, quantization and sha256 (from the store when it recorded one, else hashed now)."""
     artifact = next((a for a in store.list() if Path(a.path) == Path(path)), None)
     quantization = (artifact.extra or {}).get("quantization") if artifact else None
     if quantization is None and metadata and str(metadata.get("general.file_type", "")).isdigit():
         quantization = FILE_TYPES.get(int(metadata["general.file_type"]), f"file_type {metadata['general.file_type']}")
-    sha = artifact.sha256 if artifact and artifact.sha256 else (file_sha256(path) if Path(path).is_file() else None)
+    sha = artifact.sha256 if artifact and artifact.sha256 else (sha256_file(path) if Path(path).is_file() else None)
     size = Path(path).stat().st_size if Path(path).is_file() else None
     return {
         "path": str(path),

@@ -7,7 +7,6 @@ folder next to the output and are removed whatever happens; the output appears o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from gemmactl.errors import BuildError, InvalidOptionError, ModelNotFoundError, UnsupportedModelError
+from gemmactl.fileio import sha256_file
 from gemmactl.llamacpp.build import BuildManifest
 from gemmactl.store import Artifact, Store
 
@@ -139,7 +139,7 @@ def quantize_to_gguf(
             _step("quantize", cmd + [str(converted), str(result), quant], log, log_path)
             converted.unlink()  # free the disk before the final move
         progress("register", time.monotonic() - start)
-        digest = _sha256(result)
+        digest = sha256_file(result)
         os.replace(result, out_path)
     artifact = Artifact(
         name=name,
@@ -171,14 +171,6 @@ def _step(step: str, cmd: list[str], log, log_path: Path, env: dict | None = Non
         errors = [line for line in lines if "error" in line.lower()]
         detail = (errors or lines or ["no output"])[-1][:200]
         raise BuildError(f"the {step} step failed (exit {proc.returncode}): {detail}", hint=f"The full log is {log_path}.")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def require_build(store: Store) -> BuildManifest:

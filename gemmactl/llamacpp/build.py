@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from gemmactl.errors import BuildError, InvalidOptionError, ToolchainMissingError
+from gemmactl.fileio import atomic_write_text, sha256_file
 from gemmactl.llamacpp.source import SourceTree
 from gemmactl.machine import Machine
 from gemmactl.store import Store, utc_now
@@ -304,16 +305,12 @@ def _write_manifest(plan: BuildPlan, seconds: float) -> BuildManifest:
         binaries=binaries,
         libraries=libraries,
     )
-    _atomic_write(plan.build_dir / "manifest.json", json.dumps(manifest.to_dict(), indent=2))
+    atomic_write_text(plan.build_dir / "manifest.json", json.dumps(manifest.to_dict(), indent=2))
     return manifest
 
 
 def _file_entry(path: Path) -> dict:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return {"path": str(path), "sha256": digest.hexdigest(), "size": path.stat().st_size}
+    return {"path": str(path), "sha256": sha256_file(path), "size": path.stat().st_size}
 
 
 def _compiler_version(plan: BuildPlan) -> str:
@@ -334,16 +331,7 @@ def _compiler_version(plan: BuildPlan) -> str:
 
 
 def _set_active(store: Store, build_id: str) -> None:
-    _atomic_write(builds_dir(store) / "ACTIVE", build_id + "\n")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(builds_dir(store) / "ACTIVE", build_id + "\n")
 
 
 @contextmanager

@@ -14,6 +14,8 @@ so a test can kill a run deterministically between shards.
 
 from __future__ import annotations
 
+from gemmactl.fileio import fsync_dir
+
 import enum
 import json
 import os
@@ -48,20 +50,6 @@ def crc32_of(buffer, offset: int, nbytes: int) -> str:
     for start in range(offset, offset + nbytes, _CRC_BLOCK):
         crc = zlib.crc32(view[start : min(offset + nbytes, start + _CRC_BLOCK)], crc)
     return f"crc32:{crc:08x}"
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a directory entry so a rename survives a crash (best effort)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class Int4ShardWriter:
