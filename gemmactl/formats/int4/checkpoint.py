@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import hashlib
 import json
 import re
@@ -38,10 +40,7 @@ class SourceTensor:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

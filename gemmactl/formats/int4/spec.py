@@ -6,6 +6,8 @@ reader in another language needs only what this file and the spec say.
 
 from __future__ import annotations
 
+import math
+
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,10 +99,7 @@ class TensorRecord:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count
+        return math.prod(self.shape)
 
     def to_json(self) -> dict[str, Any]:
         data = {
