@@ -7,7 +7,6 @@ reader in another language needs only what this file and the spec say.
 from __future__ import annotations
 
 import math
-
 import struct
 from dataclasses import dataclass, field
 from typing import Any
