@@ -94,11 +94,24 @@ def open_backend(spec: RunSpec, model_path: Path, store: Store | None = None) ->
     """Load the backend for the model (llama.cpp from the active build when there is one)."""
     backend = model_backend(model_path, spec.tier.backend)
     options = {}
+    placement = None
     if backend == "llamacpp" and store is not None:
         from gemmactl.llamacpp.library import select_library
+        from gemmactl.plan.auto import auto_placement
 
         options["library"] = select_library(store)
-    return backend_class(backend)(str(model_path), context_size=spec.tier.context, **options)
+        # A model that does not fit the GPU whole gets the plan's layer split (docs/placement.md).
+        placement = auto_placement(model_path, spec.tier.context, store=store)
+        if placement.applied:
+            options.update(
+                n_gpu_layers=placement.n_gpu_layers,
+                tensor_overrides=placement.tensor_overrides,
+                extra_args={"swa_full": False},  # the plan sized sliding layers' KV to the window
+            )
+    loaded = backend_class(backend)(str(model_path), context_size=spec.tier.context, **options)
+    if placement is not None:
+        loaded.placement = placement
+    return loaded
 
 
 def _other_tier(recipe: Recipe, name: str) -> str:

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "list": ("gemmactl.cli.store_cmds", "list_cmd", "List the models and artifacts in the store."),
     "rm": ("gemmactl.cli.store_cmds", "rm_cmd", "Remove a model or artifact from the store."),
     "bench": ("gemmactl.cli.bench", "bench", "Measure decode-only and wall-clock speed, optionally side by side."),
+    "plan": ("gemmactl.cli.plan", "plan", "Plan where a model's layers go for a VRAM/RAM budget, and predict its speed."),
 }
 
 

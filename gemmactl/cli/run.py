@@ -157,4 +157,7 @@ def _stats_text(spec, model_path, s, backend) -> str:
         f"decode {s.decode_tok_s:.1f} tok/s · wall {s.wall_tok_s:.1f} tok/s · "
         f"peak RSS {human_bytes(s.peak_rss_bytes)} · stop: {s.stop_reason}",
     ]
+    placement = getattr(backend, "placement", None)
+    if placement is not None and placement.applied:
+        lines.append(f"placement: {placement.reason}; llama.cpp {' '.join(placement.server_args)}")
     return "\n".join(lines)

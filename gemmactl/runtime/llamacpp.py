@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import codecs
+import ctypes
 import os
 import threading
 import time
 from collections import deque
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 from gemmactl.errors import BackendError
@@ -91,6 +93,38 @@ def override_model_params(lib, **fields):
             module.llama_model_default_params = original
 
 
+class _BuftOverride(ctypes.Structure):
+    # struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def cpu_tensor_overrides(lib, overrides) -> ctypes.Array:
+    """llama.cpp -ot values ("REGEX=CPU") as the NULL-terminated array llama_model_params takes.
+
+    llama-cpp-python's Llama() has no argument for them, so the array is built here with the
+    CPU buffer type looked up in the loaded ggml (only CPU targets are supported).
+    """
+    base = Path(lib.llama_cpp._base_path)
+    ggml = ctypes.CDLL(str(base / "libggml.so"))
+    ggml_base = ctypes.CDLL(str(base / "libggml-base.so"))
+    ggml.ggml_backend_dev_by_name.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
+    ggml_base.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    ggml_base.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    device = ggml.ggml_backend_dev_by_name(b"CPU")
+    if not device:
+        raise BackendError("llama.cpp has no CPU device to place tensor overrides on", hint=DEBUG_HINT)
+    buft = ggml_base.ggml_backend_dev_buffer_type(device)
+    entries = []
+    for value in overrides:
+        pattern, _, target = value.rpartition("=")
+        if target.upper() != "CPU" or not pattern:
+            raise BackendError(f"tensor override '{value}' is not PATTERN=CPU", hint=DEBUG_HINT)
+        entries.append(_BuftOverride(pattern.encode(), buft))
+    entries.append(_BuftOverride(None, None))
+    return (_BuftOverride * len(entries))(*entries)
+
+
 class LlamaCppBackend:
     """One GGUF model loaded by llama.cpp, generating token by token."""
 
@@ -105,6 +139,7 @@ class LlamaCppBackend:
         n_threads: int | None = None,
         extra_args: dict | None = None,
         library=None,
+        tensor_overrides: tuple[str, ...] = (),
     ):
         # library: a gemmactl.llamacpp.library.LibraryChoice, applied before llama_cpp is imported.
         self.library = library.label if library else "llama-cpp-python's own"
@@ -122,8 +157,14 @@ class LlamaCppBackend:
         threads = n_threads or default_threads()
         self.extra_buffers = use_extra_buffers(llama_cpp)
         start = time.perf_counter()
+        fields = {"use_extra_bufts": self.extra_buffers}
+        self.tensor_overrides = tuple(tensor_overrides)
+        if self.tensor_overrides:
+            # Kept on self: llama.cpp reads the array while the model loads.
+            self._overrides_array = cpu_tensor_overrides(llama_cpp, self.tensor_overrides)
+            fields["tensor_buft_overrides"] = ctypes.cast(self._overrides_array, ctypes.c_void_p)
         try:
-            with override_model_params(llama_cpp, use_extra_bufts=self.extra_buffers):
+            with override_model_params(llama_cpp, **fields):
                 self._llm = llama_cpp.Llama(
                     model_path=self.model_path,
                     n_ctx=context_size,

@@ -1,0 +1,122 @@
+"""`gemmactl plan`: where each layer of a model goes, how fast it will decode, and (--verify) whether that holds."""
+
+from __future__ import annotations
+
+import click
+
+from gemmactl.cli.output import emit_json, table, warn
+
+
+@click.command("plan")
+@click.argument("model")
+@click.option("--vram", metavar="SIZE", help="GPU memory to plan for (default: the GPU's free memory, or the profile's).")
+@click.option("--ram", metavar="SIZE", help="RAM to plan for (default: this machine's, or the profile's).")
+@click.option("--context", type=int, default=8192, show_default=True, metavar="N", help="Context length in tokens, per sequence.")
+@click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True, metavar="N", help="Sequences served at once (each gets --context).")
+@click.option("--backend", type=click.Choice(["llamacpp", "int4"]), default="llamacpp", show_default=True, help="Runtime the plan is for.")
+@click.option("--quant", metavar="TYPE", help="For a checkpoint or a config-only folder: the quantization to plan for (Q4_K_M, Q8_0, BF16, int4-g32, ...).")
+@click.option("--hardware", metavar="PROFILE", help="Plan for a shipped hardware profile (desktop-4g, dgx-spark) instead of this machine.")
+@click.option("--profile", "remeasure", is_flag=True, help="Measure this machine again instead of using the cached profile.")
+@click.option("--verify", is_flag=True, help="Run a short real decode with the plan and compare it with the prediction.")
+@click.option("--json", "json_mode", is_flag=True, help="Print the plan as JSON (schema in docs/placement.md).")
+@click.option("--out", "out", metavar="FILE", type=click.Path(dir_okay=False), help="Write the plan as JSON to FILE (atomically).")
+def plan(model, vram, ram, context, parallel, backend, quant, hardware, remeasure, verify, json_mode, out):
+    """Plan where a model's layers go for a VRAM and RAM budget, and predict its speed.
+
+    MODEL is a store name, a .gguf file, an int4-stream folder, a Hugging Face checkpoint folder,
+    or a folder holding only config.json (then pass --quant). Only headers are read.
+
+    SIZE units are binary: 4G = 4GB = 4GiB = 4096M = 4 × 1024³ bytes; 3.5G works too.
+
+    \b
+    Examples:
+      gemmactl plan embedded --vram 4G
+      gemmactl plan ./gemma-4-26B-A4B --quant Q4_K_M --vram 8G --ram 32G --context 16384 --json
+      gemmactl plan model.gguf --vram 4G --verify
+    """
+    from gemmactl.plan.report import build_plan, plan_dict
+
+    if json_mode and out:
+        raise click.UsageError("pass either --json or --out, not both")
+    result = build_plan(
+        model, vram=vram, ram=ram, context=context, parallel=parallel, backend=backend, quant=quant,
+        hardware=hardware, remeasure=remeasure,
+    )
+    for message in result.warnings:
+        warn(message)
+    verified = None
+    if verify:
+        from gemmactl.plan.verify import verify_plan
+
+        verified = verify_plan(result.plan, result.model_path)
+    data = plan_dict(result.plan, result, verified)
+    if out:
+        import json
+        from pathlib import Path
+
+        from gemmactl.fileio import atomic_write_text
+
+        atomic_write_text(Path(out), json.dumps(data, indent=2) + "\n")
+    if json_mode:
+        emit_json(data)
+    else:
+        click.echo(render(data))
+        if out:
+            click.echo(f"plan written to {out}")
+    if verified is not None and not verified.within_budget:
+        from gemmactl.errors import GemmactlError
+
+        raise GemmactlError(
+            f"the verify run used {verified.peak_gpu_bytes / 2**30:.2f} GiB of GPU memory, over the "
+            f"{result.plan.budget.vram_bytes / 2**30:.2f} GiB budget",
+            hint="Plan with a smaller --vram or --context; docs/placement.md explains the margins.",
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def render(data: dict) -> str:
+    """The plan as a person reads it: budget, totals, per-layer table, prediction, arguments."""
+    hw, budget, totals, pred = data["hardware"], data["budget"], data["totals"], data["predicted"]
+    lines = [
+        f"model: {data['model']['path']} ({data['model']['architecture']}, {data['model']['quantization']}, "
+        f"{data['model']['layers']} layers, from {data['model']['source']})",
+        f"hardware: {hw['name']} — {hw['description']}",
+        f"budget: VRAM {_gib(budget['vram_bytes'])}, RAM {_gib(budget['ram_bytes'])}; context {data['context']} × {data['parallel']}",
+        "",
+    ]
+    rows = []
+    for layer in data["layers"]:
+        b = layer["bytes"]
+        rows.append([
+            str(layer["index"]), "sliding" if layer["sliding"] else "full", layer["device"],
+            layer["experts_device"] or "-", f"{(b['attention'] + b['mlp'] + b['per_layer']) / 2**20:.1f}",
+            f"{b['experts'] / 2**20:.1f}", f"{b['kv'] / 2**20:.1f}",
+        ])
+    lines.append(table(rows, ["layer", "attn", "device", "experts", "dense MiB", "experts MiB", "KV MiB"]))
+    lines.append("")
+    for item in data["globals"]:
+        lines.append(f"{item['name']}: {item['device']} ({item['bytes'] / 2**20:.1f} MiB)")
+    gpu, cpu = totals["gpu"], totals["cpu"]
+    lines += [
+        "",
+        f"GPU: {_gib(totals['gpu_bytes'])} of {_gib(budget['vram_bytes'])} (weights {_gib(gpu['weights'])}, KV {_gib(gpu['kv'])}, "
+        f"compute {_gib(gpu['compute'])}, reserve {_gib(gpu['reserve'])})",
+        f"RAM: {_gib(totals['cpu_bytes'])} of {_gib(budget['ram_bytes'])} (weights {_gib(cpu['weights'])}, KV {_gib(cpu['kv'])}, "
+        f"compute {_gib(cpu['compute'])})",
+        f"predicted: decode {pred['decode_tok_s']:.1f} tok/s, time to first token {pred['ttft_s']:.3f} s "
+        f"({pred['prompt_tokens']}-token prompt)",
+        f"llama.cpp: {' '.join(data['llama_cpp_args']['argv'])}",
+    ]
+    for note in data["notes"]:
+        lines.append(f"note: {note}")
+    if data.get("verify"):
+        v = data["verify"]
+        lines.append(
+            f"verify: measured decode {v['measured_decode_tok_s']:.1f} tok/s vs predicted {v['predicted_decode_tok_s']:.1f} "
+            f"({v['ratio']:.2f}×); peak GPU memory {_gib(v['peak_gpu_bytes'])} of {_gib(budget['vram_bytes'])} "
+            f"({'within' if v['within_budget'] else 'OVER'} budget)"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Placement planning: inventory from headers, machine profile, solver."""

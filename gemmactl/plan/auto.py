@@ -1,0 +1,104 @@
+"""The placement `run` and `serve` apply by themselves when a model does not fit the GPU whole.
+
+Fast: reads the GGUF header, asks nvidia-smi for free memory, and uses the cached machine
+profile (or the default desktop profile's bandwidths, which only rank placements that fit).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from gemmactl.errors import BudgetTooSmallError, GemmactlError
+from gemmactl.machine import Machine, detect_machine
+from gemmactl.plan.sizes import format_size
+
+
+@dataclass(frozen=True)
+class AutoPlacement:
+    applied: bool  # True when the model does not fit the GPU whole and the plan's arguments are used
+    reason: str  # one line for --stats and logs
+    n_gpu_layers: int  # llama.cpp -ngl; -1 (all) when it fits, 0 without a usable GPU
+    tensor_overrides: tuple[str, ...]  # llama.cpp -ot values
+    server_args: tuple[str, ...]  # the llama-server flags this implies
+
+
+def _not_applied(reason: str, n_gpu_layers: int) -> AutoPlacement:
+    return AutoPlacement(False, reason, n_gpu_layers, (), ())
+
+
+def gpu_capable_library(store=None) -> bool:
+    """Whether the llama.cpp that will run has a CUDA backend (looks for libggml-cuda next to libllama)."""
+    folders = []
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):
+        folders.append(Path(os.environ["LLAMA_CPP_LIB_PATH"]))
+    try:
+        from gemmactl.llamacpp.build import active_build
+        from gemmactl.store import Store
+
+        build = active_build(store or Store())
+    except (GemmactlError, OSError):
+        build = None
+    if build is not None:
+        folders.append(Path(build.lib_dir))
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec and spec.origin:
+        folders.append(Path(spec.origin).parent / "lib")
+    return any(any(folder.glob("libggml-cuda*")) for folder in folders if folder.is_dir())
+
+
+def auto_placement(
+    model_path: Path,
+    context: int,
+    *,
+    parallel: int = 1,
+    machine: Machine | None = None,
+    gpu_capable: bool | None = None,
+    free_vram: int | None = None,
+    store=None,
+) -> AutoPlacement:
+    """Decide -ngl / -ot for a GGUF at this context; reads headers only.
+
+    machine, gpu_capable and free_vram default to what this machine has (tests pass fakes).
+    """
+    from gemmactl.plan.inventory import inventory_from_gguf
+    from gemmactl.plan.llama_args import tensor_overrides
+    from gemmactl.plan.profile import DEFAULT_PROFILE, cached_profile, gpu_free_bytes, load_profile
+    from gemmactl.plan.solver import Budget, Placement, evaluate, fits, plan_placement
+    from gemmactl.store import Store
+
+    machine = machine or detect_machine()
+    if not machine.gpus:
+        return _not_applied("plan: no NVIDIA GPU; every layer on the CPU", 0)
+    store = store or Store()
+    if gpu_capable is None:
+        gpu_capable = gpu_capable_library(store)
+    if not gpu_capable:
+        return _not_applied("plan: the llama.cpp in use has no CUDA backend (run `gemmactl build`); every layer on the CPU", 0)
+    gpu = machine.gpus[0]
+    vram = free_vram if free_vram is not None else (gpu_free_bytes(gpu.index) or gpu.memory_bytes)
+    profile = cached_profile(store.home / "plan", machine) or load_profile(DEFAULT_PROFILE)
+    profile = replace(profile, vram_bytes=gpu.memory_bytes, ram_bytes=machine.ram_bytes or profile.ram_bytes)
+    inventory = inventory_from_gguf(Path(model_path))
+    budget = Budget(vram, profile.ram_bytes)
+    n = inventory.shape.n_layers
+    whole = evaluate(inventory, profile, budget, Placement(n + 1), context, parallel)
+    if fits(whole):
+        return _not_applied(f"plan: fits the GPU whole ({format_size(whole.gpu_bytes)} of {format_size(vram)} free)", -1)
+    try:
+        plan = plan_placement(inventory, profile, budget, context=context, parallel=parallel)
+    except BudgetTooSmallError:
+        return _not_applied(f"plan: not even one layer fits the {format_size(vram)} free on the GPU; every layer on the CPU", 0)
+    gpu_layers = sum(1 for layer in plan.layers if layer.device == "gpu")
+    output = " and the output layer" if plan.output_on_gpu else ""
+    reason = f"plan: {gpu_layers}/{n} layers{output} on GPU ({format_size(plan.gpu_bytes)} of {format_size(vram)} free)"
+    if plan.placement.cpu_expert_layers:
+        reason += f", experts of {len(plan.placement.cpu_expert_layers)} GPU layers in RAM"
+    overrides = tensor_overrides(plan)
+    server_args = ["-ngl", str(plan.placement.n_gpu_layers)]
+    for value in overrides:
+        server_args += ["-ot", value]
+    server_args += ["--fit", "off"]  # llama-server would otherwise re-fit what it was told
+    return AutoPlacement(True, reason, plan.placement.n_gpu_layers, overrides, tuple(server_args))

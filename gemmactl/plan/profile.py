@@ -1,0 +1,220 @@
+"""Machine profiles: the bandwidths, compute rates and reserves the placement model runs on.
+
+A profile is either shipped (gemmactl/plan/profiles/NAME.json, for planning another box) or
+measured on this machine once and cached in the store (plan/machine-profile.json); `--profile`
+measures again. Measurements: CPU memory bandwidth and matmul rate with numpy; with torch and a
+CUDA device also device-to-device copy, pinned host-to-device copy and a bf16 matmul.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass, replace
+from importlib import resources
+from pathlib import Path
+
+from gemmactl.errors import InvalidOptionError
+from gemmactl.fileio import atomic_write_text
+from gemmactl.machine import Machine
+
+DEFAULT_PROFILE = "desktop-4g"
+CACHE_NAME = "machine-profile.json"
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    source: str
+    gpu_name: str | None
+    vram_bytes: int
+    ram_bytes: int
+    gpu_bandwidth: float  # bytes/s a decode can read from device memory
+    cpu_bandwidth: float  # bytes/s the CPU reads from RAM, all cores
+    host_to_device: float  # bytes/s of pinned host → device copies
+    gpu_flops: float
+    cpu_flops: float
+    gpu_layer_latency_s: float  # fixed cost per layer per token on the GPU (kernel launches)
+    cpu_layer_latency_s: float
+    gpu_reserve_bytes: int  # CUDA context and runtime, outside any buffer llama.cpp reports
+    unified_memory: bool = False  # VRAM and RAM are one pool (GB10-class)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.vram_bytes > 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def shipped_profiles() -> list[str]:
+    folder = resources.files("gemmactl.plan") / "profiles"
+    return sorted(entry.name[: -len(".json")] for entry in folder.iterdir() if entry.name.endswith(".json"))
+
+
+def load_profile(name: str) -> HardwareProfile:
+    """A shipped profile by name."""
+    if name not in shipped_profiles():
+        raise InvalidOptionError(
+            f"unknown hardware profile '{name}'",
+            hint=f"Use one of: {', '.join(shipped_profiles())}.",
+        )
+    data = json.loads((resources.files("gemmactl.plan") / "profiles" / f"{name}.json").read_text(encoding="utf-8"))
+    return _from_dict(data)
+
+
+def _from_dict(data: dict) -> HardwareProfile:
+    fields = HardwareProfile.__dataclass_fields__
+    return HardwareProfile(**{key: data[key] for key in fields if key in data})
+
+
+def gpu_free_bytes(index: int = 0) -> int | None:
+    """Free memory of one NVIDIA GPU as nvidia-smi reports it, or None."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", f"--id={index}", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = proc.stdout.strip().splitlines()[0].strip() if proc.returncode == 0 and proc.stdout.strip() else ""
+    return int(float(text)) * 1024 * 1024 if text.replace(".", "").isdigit() else None
+
+
+def _fingerprint(machine: Machine) -> dict:
+    return {
+        "cpu_model": machine.cpu_model,
+        "cpu_cores": machine.cpu_cores,
+        "ram_bytes": machine.ram_bytes,
+        "gpus": [f"{gpu.name}/{gpu.memory_bytes}" for gpu in machine.gpus],
+    }
+
+
+def cached_profile(cache_dir: Path, machine: Machine) -> HardwareProfile | None:
+    """The cached measurement of this machine, if one matches it."""
+    try:
+        data = json.loads((cache_dir / CACHE_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if data.get("version") != CACHE_VERSION or data.get("machine") != _fingerprint(machine):
+        return None
+    return _from_dict(data["profile"])
+
+
+def machine_profile(cache_dir: Path, machine: Machine, *, remeasure: bool = False) -> tuple[HardwareProfile, bool]:
+    """This machine's profile: the cached one, or a fresh measurement (then cached). Returns (profile, measured now)."""
+    if not remeasure:
+        cached = cached_profile(cache_dir, machine)
+        if cached is not None:
+            return cached, False
+    profile = measure_profile(machine)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    record = {"version": CACHE_VERSION, "machine": _fingerprint(machine), "measured_at": time.time(), "profile": profile.to_dict()}
+    atomic_write_text(cache_dir / CACHE_NAME, json.dumps(record, indent=2) + "\n")
+    return profile, True
+
+
+def _cpu_bandwidth(size: int = 256 << 20, repeats: int = 4) -> float:
+    """Read+write bytes/s of large array copies, one slice per core (numpy releases the GIL)."""
+    import numpy as np
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    src = np.ones(size // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    bounds = np.linspace(0, src.size, threads + 1).astype(int)
+
+    def copy(part: int) -> None:
+        np.copyto(dst[bounds[part]:bounds[part + 1]], src[bounds[part]:bounds[part + 1]])
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(copy, range(threads)))  # warm up: fault the pages in
+        start = time.perf_counter()
+        for _ in range(repeats):
+            list(pool.map(copy, range(threads)))
+        elapsed = time.perf_counter() - start
+    return 2 * size * repeats / elapsed
+
+
+def _cpu_flops(n: int = 1024, repeats: int = 3) -> float:
+    import numpy as np
+
+    a = np.ones((n, n), dtype=np.float32)
+    a @ a
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ a
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def _gpu_numbers() -> dict | None:
+    """Device copy bandwidth, pinned host→device bandwidth and bf16 matmul rate, or None without torch+CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    size = 1 << 30
+    src = torch.empty(size // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    device_bw = 2 * size * 10 / (time.perf_counter() - start)
+    host = torch.empty(size // 2, dtype=torch.bfloat16, pin_memory=True)
+    src.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        src.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    h2d = size * 3 / (time.perf_counter() - start)
+    a = torch.ones((8192, 8192), dtype=torch.bfloat16, device="cuda")
+    a @ a
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    torch.cuda.synchronize()
+    flops = 2 * 8192**3 * 5 / (time.perf_counter() - start)
+    del src, dst, host, a
+    torch.cuda.empty_cache()
+    return {"gpu_bandwidth": device_bw, "host_to_device": h2d, "gpu_flops": flops}
+
+
+def measure_profile(machine: Machine) -> HardwareProfile:
+    """Measure this machine; GPU figures need torch with CUDA, else the default desktop's stand in (and the source says so)."""
+    base = load_profile(DEFAULT_PROFILE)
+    gpu = machine.gpus[0] if machine.gpus else None
+    numbers = _gpu_numbers() if gpu else None
+    if gpu and numbers:
+        gpu_source = "GPU figures measured with torch"
+    elif gpu:
+        gpu_source = f"GPU bandwidths from the {DEFAULT_PROFILE} profile (install torch with CUDA to measure them)"
+        numbers = {"gpu_bandwidth": base.gpu_bandwidth, "host_to_device": base.host_to_device, "gpu_flops": base.gpu_flops}
+    else:
+        gpu_source = "no GPU"
+        numbers = {"gpu_bandwidth": 0.0, "host_to_device": 0.0, "gpu_flops": 0.0}
+    return replace(
+        base,
+        name="this-machine",
+        description=f"{machine.cpu_model}, {machine.cpu_cores} cores" + (f", {gpu.name}" if gpu else ""),
+        source=f"measured: CPU copy bandwidth and matmul with numpy; {gpu_source}",
+        gpu_name=gpu.name if gpu else None,
+        vram_bytes=gpu.memory_bytes if gpu else 0,
+        ram_bytes=machine.ram_bytes,
+        cpu_bandwidth=_cpu_bandwidth(),
+        cpu_flops=_cpu_flops(),
+        **numbers,
+    )

@@ -1,0 +1,183 @@
+"""From a model reference and budgets to a plan, and the plan as the JSON docs/placement.md describes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from gemmactl.errors import InvalidOptionError, ModelNotFoundError
+from gemmactl.plan.inventory import GLOBAL_KINDS, take_inventory
+from gemmactl.plan.llama_args import llama_cpp_args, torch_device_map
+from gemmactl.plan.profile import DEFAULT_PROFILE, HardwareProfile, gpu_free_bytes, load_profile, machine_profile
+from gemmactl.plan.sizes import format_size, parse_size
+from gemmactl.plan.solver import PROMPT_TOKENS, Budget, Plan, plan_placement
+
+PLAN_FORMAT = "gemmactl-plan"
+PLAN_VERSION = 1
+
+
+@dataclass
+class PlanResult:
+    plan: Plan
+    model_path: Path
+    hardware_measured: bool = False  # the profile was measured by this run
+    warnings: list[str] = field(default_factory=list)
+
+
+def resolve_plan_model(ref: str, store) -> Path:
+    """A store name (any format), "embedded", or a path to a GGUF file or a model folder."""
+    from gemmactl.models import EMBEDDED_REFS
+
+    if ref in EMBEDDED_REFS:
+        from gemmactl.embedded import ensure_embedded_model
+
+        return Path(ensure_embedded_model(store).path)
+    artifact = store.get(ref)
+    if artifact is not None:
+        return Path(artifact.path)
+    path = Path(ref).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"no model named '{ref}' in the store and no such file or folder")
+    return path
+
+
+def choose_profile(hardware: str | None, remeasure: bool, store) -> tuple[HardwareProfile, bool, list[str], int | None]:
+    """(profile, measured now, notes, free VRAM of this machine's GPU or None)."""
+    from gemmactl.machine import detect_machine
+
+    if hardware and not remeasure:
+        return load_profile(hardware), False, [f"planned for the shipped '{hardware}' profile"], None
+    machine = detect_machine()
+    if not machine.gpus and not remeasure:
+        profile = load_profile(DEFAULT_PROFILE)
+        return profile, False, [f"this machine has no NVIDIA GPU: planned for the '{DEFAULT_PROFILE}' profile ({profile.description})"], None
+    measured_profile, measured = machine_profile(store.home / "plan", machine, remeasure=remeasure)
+    if hardware:
+        return load_profile(hardware), measured, [f"planned for the shipped '{hardware}' profile"], None
+    if not machine.gpus:
+        profile = load_profile(DEFAULT_PROFILE)
+        return profile, measured, [f"this machine has no NVIDIA GPU: planned for the '{DEFAULT_PROFILE}' profile ({profile.description})"], None
+    gpu = machine.gpus[0]
+    return measured_profile, measured, [f"planned for this machine ({gpu.name})"], gpu_free_bytes(gpu.index) or gpu.memory_bytes
+
+
+def build_plan(
+    model: str,
+    *,
+    vram: str | None = None,
+    ram: str | None = None,
+    context: int = 8192,
+    parallel: int = 1,
+    backend: str = "llamacpp",
+    quant: str | None = None,
+    hardware: str | None = None,
+    remeasure: bool = False,
+    store=None,
+) -> PlanResult:
+    """Inventory the model, pick the profile and budgets, and solve."""
+    from gemmactl.store import Store
+
+    store = store or Store()
+    vram_bytes = parse_size(vram, option="--vram") if vram is not None else None
+    ram_bytes = parse_size(ram, option="--ram") if ram is not None else None
+    if context < 1:
+        raise InvalidOptionError(f"--context must be at least 1, got {context}")
+    path = resolve_plan_model(model, store)
+    inventory = take_inventory(path, quant=quant)
+    if backend == "int4" and inventory.source == "gguf":
+        raise InvalidOptionError(
+            "the int4 backend runs int4-stream artifacts, not GGUF files",
+            hint="Plan an int4-stream artifact, or a checkpoint with --quant int4-g32; or use --backend llamacpp.",
+        )
+    limit = inventory.shape.max_context
+    if limit and context > limit:
+        raise InvalidOptionError(
+            f"--context {context} is above this model's maximum of {limit} tokens",
+            hint=f"Pass --context {limit} or less.",
+        )
+    profile, measured, notes, free = choose_profile(hardware, remeasure, store)
+    warnings = []
+    detected = profile.vram_bytes
+    if vram_bytes is not None and detected and vram_bytes > detected and (free is not None or hardware):
+        warnings.append(f"--vram {format_size(vram_bytes)} is more than the {format_size(detected)} the GPU has ({profile.gpu_name})")
+    if vram_bytes is None:
+        vram_bytes = free if free is not None else profile.vram_bytes
+    if ram_bytes is None:
+        ram_bytes = profile.ram_bytes
+    if not profile.has_gpu or profile.gpu_bandwidth <= 0:
+        profile = replace(profile, vram_bytes=0)
+    budget = Budget(vram_bytes if profile.has_gpu else 0, ram_bytes)
+    plan = plan_placement(inventory, profile, budget, context=context, parallel=parallel)
+    plan.budget = Budget(vram_bytes, ram_bytes)
+    plan.notes = notes + _plan_notes(plan, backend)
+    return PlanResult(plan, path, measured, warnings)
+
+
+def _plan_notes(plan: Plan, backend: str) -> list[str]:
+    notes = []
+    if plan.fits_whole:
+        notes.append("the whole model fits the GPU: run and serve use -ngl all and need no plan arguments")
+    if plan.placement.cpu_expert_layers:
+        notes.append(f"experts of {len(plan.placement.cpu_expert_layers)} GPU layers stay in RAM (only the active experts are read per token)")
+    if plan.inventory.source == "config":
+        notes.append(f"sizes are estimated from config.json at {plan.inventory.quantization}; no weights were read")
+    if backend == "int4":
+        notes.append("the int4 backend places modules by the device_map; llama_cpp_args do not apply")
+    return notes
+
+
+def plan_dict(plan: Plan, result: PlanResult | None = None, verified=None) -> dict:
+    """The plan as JSON (docs/placement.md)."""
+    inv, shape, profile = plan.inventory, plan.inventory.shape, plan.profile
+    output_device = "gpu" if plan.output_on_gpu else "cpu"
+    globals_ = []
+    for kind in GLOBAL_KINDS:
+        nbytes = inv.globals[kind]
+        if kind == "output" and not nbytes and inv.output_tied:
+            nbytes = inv.globals["token_embd"]  # tied: the embedding serves as the output matrix
+        device = output_device if kind in ("output", "output_norm") else "cpu"
+        globals_.append({"name": kind, "device": device, "bytes": nbytes, "tied": kind == "output" and inv.output_tied})
+    data = {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "model": {
+            "path": inv.path,
+            "source": inv.source,
+            "architecture": shape.architecture,
+            "quantization": inv.quantization,
+            "layers": shape.n_layers,
+            "experts": shape.n_experts,
+            "experts_used": shape.experts_used,
+            "max_context": shape.max_context,
+            "total_bytes": inv.total_bytes,
+        },
+        "hardware": {**profile.to_dict(), "measured_now": bool(result and result.hardware_measured)},
+        "budget": {"vram_bytes": plan.budget.vram_bytes, "ram_bytes": plan.budget.ram_bytes},
+        "context": plan.context,
+        "parallel": plan.parallel,
+        "totals": {"gpu_bytes": plan.gpu_bytes, "cpu_bytes": plan.cpu_bytes, "gpu": dict(plan.gpu), "cpu": dict(plan.cpu)},
+        "layers": [
+            {
+                "index": layer.index,
+                "device": layer.device,
+                "experts_device": layer.experts_device,
+                "sliding": layer.sliding,
+                "kv_cells": layer.kv_cells,
+                "bytes": dict(layer.bytes),
+            }
+            for layer in plan.layers
+        ],
+        "globals": globals_,
+        "predicted": {
+            "decode_tok_s": round(plan.decode_tok_s, 2),
+            "ttft_s": round(plan.ttft_s, 4),
+            "prompt_tokens": PROMPT_TOKENS,
+            "read_per_token_bytes": dict(plan.read_per_token),
+        },
+        "llama_cpp_args": llama_cpp_args(plan),
+        "device_map": torch_device_map(plan),
+        "notes": list(plan.notes),
+    }
+    if verified is not None:
+        data["verify"] = verified.to_dict()
+    return data

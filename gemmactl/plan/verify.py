@@ -1,0 +1,133 @@
+"""`plan --verify`: a short real decode with the plan's placement, measured against the prediction.
+
+Peak GPU memory is this process's use as nvidia-smi reports it, sampled while the model loads
+and decodes (CUDA context included, as the plan's reserve is). Without a usable GPU the run
+uses the CPU placement and the prediction is re-made for it with this machine's measured profile.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+from dataclasses import asdict, dataclass, replace
+
+from gemmactl.plan.solver import Budget, Placement, Plan, evaluate
+
+VERIFY_PROMPT = "Question: What is the capital of France?\nAnswer:"
+VERIFY_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    n_gpu_layers: int
+    tensor_overrides_applied: bool
+    predicted_decode_tok_s: float
+    measured_decode_tok_s: float
+    decode_tokens: int
+    peak_gpu_bytes: int
+    budget_vram_bytes: int
+    within_budget: bool
+    placement: str  # "plan" or "cpu (no usable GPU here)"
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_decode_tok_s / self.predicted_decode_tok_s if self.predicted_decode_tok_s else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ratio": round(self.ratio, 3)}
+
+
+class GpuMemorySampler:
+    """Samples this process's GPU memory with nvidia-smi on a thread; peak in bytes (0 without a GPU)."""
+
+    def __init__(self, interval_s: float = 0.05):
+        self.interval_s, self.peak = interval_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True) if shutil.which("nvidia-smi") else None
+
+    def _sample(self) -> int:
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return 0
+        total = 0
+        for line in out.splitlines():
+            parts = [part.strip() for part in line.split(",")]
+            if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
+                total += int(parts[1]) * 1024 * 1024
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._sample())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self):
+        if self._thread:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._thread:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self._sample())
+
+
+def verify_plan(plan: Plan, model_path, *, store=None) -> VerifyResult:
+    """Load the GGUF with the plan's -ngl, decode VERIFY_TOKENS tokens greedily, compare."""
+    from gemmactl.llamacpp.library import select_library
+    from gemmactl.machine import detect_machine
+    from gemmactl.plan.auto import gpu_capable_library
+    from gemmactl.plan.profile import machine_profile
+    from gemmactl.runtime.base import GenerationRequest, GenerationStats, stream_generate
+    from gemmactl.runtime.llamacpp import LlamaCppBackend
+    from gemmactl.store import Store
+
+    store = store or Store()
+    machine = detect_machine()
+    library = select_library(store)
+    usable_gpu = bool(machine.gpus) and gpu_capable_library(store)
+    if usable_gpu:
+        n_gpu_layers, predicted, placement = plan.placement.n_gpu_layers, plan.decode_tok_s, "plan"
+    else:
+        here, _ = machine_profile(store.home / "plan", machine)
+        here = replace(here, vram_bytes=0)
+        cpu_plan = evaluate(plan.inventory, here, Budget(0, plan.budget.ram_bytes), Placement(0), plan.context, plan.parallel)
+        n_gpu_layers, predicted, placement = 0, cpu_plan.decode_tok_s, "cpu (no usable GPU here)"
+    request = GenerationRequest(prompt=VERIFY_PROMPT, max_tokens=VERIFY_TOKENS, temperature=0.0, raw=True)
+    with GpuMemorySampler() as sampler:
+        backend = LlamaCppBackend(
+            str(model_path), context_size=plan.context * plan.parallel, n_gpu_layers=n_gpu_layers,
+            library=library, tensor_overrides=_overrides(plan) if usable_gpu else (),
+            extra_args={"swa_full": False, "n_ubatch": 512},
+        )
+        try:
+            stats = [event for event in stream_generate(backend, request) if isinstance(event, GenerationStats)][-1]
+            timings = backend.engine_timings()
+        finally:
+            backend.close()
+    measured = timings.decode_tokens / timings.decode_s if timings and timings.decode_s else (stats.decode_tok_s or 0.0)
+    budget = plan.budget.vram_bytes
+    return VerifyResult(
+        n_gpu_layers=n_gpu_layers,
+        tensor_overrides_applied=bool(usable_gpu and _overrides(plan)),
+        predicted_decode_tok_s=round(predicted, 2),
+        measured_decode_tok_s=round(measured, 2),
+        decode_tokens=timings.decode_tokens if timings else 0,
+        peak_gpu_bytes=sampler.peak,
+        budget_vram_bytes=budget,
+        within_budget=sampler.peak <= budget,
+        placement=placement,
+    )
+
+
+def _overrides(plan: Plan) -> tuple[str, ...]:
+    from gemmactl.plan.llama_args import tensor_overrides
+
+    return tensor_overrides(plan)

@@ -1,0 +1,86 @@
+"""The plan used, not just printed: `run` applies it on a GPU it does not fit; `plan --verify` decodes with it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import invoke
+from gemmactl.machine import Gpu, Machine
+
+MiB = 1 << 20
+
+
+@pytest.mark.real_model
+def test_run_applies_the_plan_when_the_model_does_not_fit(runner, model_home, monkeypatch):
+    import gemmactl.plan.auto as auto
+    from gemmactl.runtime.llamacpp import LlamaCppBackend
+
+    gpu_machine = Machine("test cpu", 2, [], 32 << 30, "x86_64", gpus=[Gpu(0, "Fake 1 GB", 1024 * MiB, "1", "7.5")])
+    monkeypatch.setattr(auto, "detect_machine", lambda: gpu_machine)
+    monkeypatch.setattr(auto, "gpu_capable_library", lambda store=None: True)
+    monkeypatch.setattr("gemmactl.plan.profile.gpu_free_bytes", lambda index=0: 1000 * MiB)
+    seen = {}
+    original = LlamaCppBackend.__init__
+
+    def recording_init(self, model_path, **kwargs):
+        seen.update(kwargs)
+        # The CPU-only library here cannot offload: load on the CPU, keep the overrides.
+        original(self, model_path, **{**kwargs, "n_gpu_layers": 0})
+
+    monkeypatch.setattr(LlamaCppBackend, "__init__", recording_init)
+    expected = auto.auto_placement(model_home / "models/gemma3-270m/gemma-3-270m-q4_k_m.gguf", 4096,
+                                   machine=gpu_machine, gpu_capable=True, free_vram=1000 * MiB)
+    assert expected.applied
+    result = invoke(runner, ["run", "--model", "embedded", "--max-tokens", "4", "--stats", "quick: What is the capital of France?"])
+    assert result.exit_code == 0, result.output
+    assert seen["n_gpu_layers"] == expected.n_gpu_layers
+    assert seen["tensor_overrides"] == expected.tensor_overrides
+    assert seen["extra_args"] == {"swa_full": False}
+    assert f"placement: {expected.reason}" in result.stderr
+
+
+@pytest.mark.real_model
+def test_run_leaves_a_cpu_machine_alone(runner, model_home, monkeypatch):
+    import gemmactl.plan.auto as auto
+    from gemmactl.runtime.llamacpp import LlamaCppBackend
+
+    monkeypatch.setattr(auto, "detect_machine", lambda: Machine("cpu", 2, [], 8 << 30, "x86_64"))
+    seen = {}
+    original = LlamaCppBackend.__init__
+
+    def recording_init(self, model_path, **kwargs):
+        seen.update(kwargs)
+        original(self, model_path, **kwargs)
+
+    monkeypatch.setattr(LlamaCppBackend, "__init__", recording_init)
+    result = invoke(runner, ["run", "--model", "embedded", "--max-tokens", "2", "--stats", "quick: hi"])
+    assert result.exit_code == 0, result.output
+    assert "n_gpu_layers" not in seen and "placement:" not in result.stderr
+
+
+def test_in_process_tensor_overrides_reach_llama_cpp(embedded_gguf):
+    import llama_cpp
+
+    from gemmactl.runtime.llamacpp import LlamaCppBackend, capture_llama_logs
+
+    logs = capture_llama_logs(llama_cpp)
+    logs.clear()
+    backend = LlamaCppBackend(str(embedded_gguf), context_size=256, n_gpu_layers=0, tensor_overrides=(r"blk\.(2|3)\.ffn_up.*=CPU",))
+    try:
+        overridden = sorted(line.split()[1] for line in logs if "buffer type overridden to CPU" in line)
+    finally:
+        backend.close()
+    assert overridden == ["blk.2.ffn_up.weight", "blk.3.ffn_up.weight"]
+
+
+@pytest.mark.real_model
+def test_plan_verify_on_the_embedded_model(runner, model_home):
+    result = invoke(runner, ["plan", "embedded", "--vram", "1G", "--context", "2048", "--verify", "--json"])
+    assert result.exit_code == 0, result.output
+    verify = json.loads(result.stdout)["verify"]
+    assert verify["placement"].startswith("cpu") and verify["n_gpu_layers"] == 0
+    assert verify["decode_tokens"] > 10 and verify["measured_decode_tok_s"] > 0 and verify["predicted_decode_tok_s"] > 0
+    assert verify["peak_gpu_bytes"] == 0 and verify["within_budget"]
+    assert verify["ratio"] == pytest.approx(verify["measured_decode_tok_s"] / verify["predicted_decode_tok_s"], rel=1e-2)
