@@ -83,6 +83,10 @@ class UnsupportedModelError(UserInputError):
     """A checkpoint whose architecture gemmactl cannot convert or run."""
 
 
+class BudgetTooSmallError(UserInputError):
+    """A memory budget that holds no placement of the model (the message names the minimum)."""
+
+
 class InvalidRepoIdError(UserInputError):
     default_hint = "Pass the repo id as OWNER/NAME, as the hub shows it, e.g. google/gemma-4-E2B-it."
 
@@ -188,3 +192,9 @@ class BuildError(GemmactlError):
 
 class ServerError(GemmactlError):
     """A llama-server process failed to start, answer or stream."""
+
+
+class PortInUseError(GemmactlError):
+    """The address `gemmactl serve` should listen on is taken."""
+
+    default_hint = "Pass another --port (0 picks a free one), or stop the server holding it (`gemmactl ps` lists gemmactl's)."

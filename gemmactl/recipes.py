@@ -24,6 +24,9 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from gemmactl.errors import RecipeError, UnknownTierError
 
 KNOWN_BACKENDS = ("llamacpp", "int4")
+# Friendly speculative-decoding kinds → llama-server's --spec-type value.
+SPECULATIVE_KINDS = {"draft": "draft-simple", "mtp": "draft-mtp", "ngram": "ngram-simple"}
+MAX_PARALLEL = 256
 EMBEDDED_MODEL = "embedded"
 DEFAULT_RECIPE = "default"
 RECIPE_ENV = "GEMMACTL_RECIPE"
@@ -48,6 +51,21 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Speculative:
+    """Speculative decoding for a tier served by llama-server: a draft model, an MTP assistant, or n-grams."""
+
+    kind: str = "draft"  # draft | mtp | ngram (SPECULATIVE_KINDS)
+    draft_model: str | None = None  # "embedded", a store name or a .gguf path; draft and mtp need one
+    draft_max: int = 8  # most tokens drafted per step
+    draft_min: int = 0  # fewest tokens drafted per step
+    enabled: bool = True  # the off switch (also `gemmactl serve --no-speculative`)
+
+    @property
+    def spec_type(self) -> str:
+        return SPECULATIVE_KINDS[self.kind]
+
+
+@dataclass(frozen=True)
 class Tier:
     """One way of answering: a model, the backend that runs it, and its settings."""
 
@@ -60,6 +78,8 @@ class Tier:
     description: str = ""
     make: list[str] = field(default_factory=list)
     needs: str = ""
+    parallel: int = 4  # concurrent slots when served (llama-server -np); in-process backends run one at a time
+    speculative: Speculative | None = None
 
 
 @dataclass(frozen=True)
@@ -179,7 +199,10 @@ def _builtin_dir() -> Traversable:
 # -- validation ----------------------------------------------------------------------------------
 
 _TOP_KEYS = ("name", "description", "default_tier", "tiers")
-_TIER_KEYS = ("model", "backend", "context", "thinking", "sampling", "description", "make", "needs")
+_TIER_KEYS = (
+    "model", "backend", "context", "thinking", "sampling", "description", "make", "needs", "parallel", "speculative",
+)
+_SPECULATIVE_KEYS = ("type", "draft_model", "draft_max", "draft_min", "enabled")
 _SAMPLING_KEYS = tuple(f.name for f in fields(Sampling))
 
 
@@ -262,6 +285,15 @@ class _Reader:
             changes["make"] = self.string_list(values["make"])
         if "needs" in values:
             changes["needs"] = self.string(values["needs"])
+        if "parallel" in values:
+            changes["parallel"] = self.integer(values["parallel"], 1, f"an integer from 1 to {MAX_PARALLEL}")
+            if changes["parallel"] > MAX_PARALLEL:
+                raise self.error(
+                    values["parallel"].value,
+                    f"{values['parallel'].path} must be an integer from 1 to {MAX_PARALLEL}, got {changes['parallel']}",
+                )
+        if "speculative" in values:
+            changes["speculative"] = self.speculative(values["speculative"])
         return Tier(name=name, model=model, **changes)  # type: ignore[arg-type]
 
     def sampling(self, entry: _Field) -> Sampling:
@@ -283,6 +315,33 @@ class _Reader:
                 ok, expected = checks[key]
                 changes[key] = self.number(value, ok, expected)
         return Sampling(**changes)  # type: ignore[arg-type]
+
+    def speculative(self, entry: _Field) -> Speculative:
+        """Read a tier's speculative mapping: draft and mtp need a draft_model."""
+        values = self.fields(entry.value, entry.path, _SPECULATIVE_KEYS, required=("type",), anchor=entry.key)
+        kind = self.string(values["type"])
+        if kind not in SPECULATIVE_KINDS:
+            raise self.error(
+                values["type"].value,
+                f"{values['type'].path} must be one of {', '.join(SPECULATIVE_KINDS)}, got '{kind}'",
+            )
+        changes: dict[str, object] = {"kind": kind}
+        if "draft_model" in values:
+            changes["draft_model"] = self.string(values["draft_model"], non_empty=True)
+        elif kind == "draft":
+            raise self.error(entry.key, f"{entry.path} of type draft is missing required key 'draft_model'")
+        for key in ("draft_max", "draft_min"):
+            if key in values:
+                changes[key] = self.integer(values[key], 0 if key == "draft_min" else 1,
+                                            "a non-negative integer" if key == "draft_min" else "a positive integer")
+        if "enabled" in values:
+            changes["enabled"] = self.boolean(values["enabled"])
+        result = Speculative(**changes)  # type: ignore[arg-type]
+        if result.draft_min > result.draft_max:
+            raise self.error(
+                entry.key, f"{entry.path}.draft_min ({result.draft_min}) is above draft_max ({result.draft_max})"
+            )
+        return result
 
     # -- structure --------------------------------------------------------------------------------
 

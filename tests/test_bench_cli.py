@@ -150,6 +150,10 @@ def test_bench_compare_hf_generate(runner, model_home, gemma3_hf_checkpoint):
         assert ours["prompt_tokens"] == theirs["prompt_tokens"]  # the same tokenizer
         assert 1 <= theirs["generated_tokens"] <= 4 and theirs["ttft_s"] > 0
     assert "Paris" in rows[("hf-generate", "short-1")]["text"]
+    # transformers runs in a worker process of its own (torch and a CUDA llama.cpp may not share one).
+    assert data["targets"]["hf-generate"]["process"] == "worker"
+    assert "worker" in rows[("hf-generate", "short-1")]["memory_scope"]
+    assert rows[("hf-generate", "short-1")]["peak_rss_bytes"] != rows[("gemmactl", "short-1")]["peak_rss_bytes"]
 
 
 @pytest.mark.parametrize("args, words", [

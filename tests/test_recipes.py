@@ -225,6 +225,19 @@ MALFORMED = [
     pytest.param("name: ''\n" + MINIMAL, "name must be a non-empty string", 1, id="name-empty"),
     pytest.param(MINIMAL + "  fast:\n    model: b\n", "tiers.fast is given twice", 4, id="duplicate-tier"),
     pytest.param(MINIMAL + "    model: b\n", "tiers.fast.model is given twice", 4, id="duplicate-key"),
+    pytest.param(MINIMAL + "    parallel: 0\n", "tiers.fast.parallel must be an integer from 1 to 256", 4, id="parallel-zero"),
+    pytest.param(MINIMAL + "    parallel: 1000\n", "tiers.fast.parallel must be an integer from 1 to 256, got 1000", 4,
+                 id="parallel-big"),
+    pytest.param(MINIMAL + "    speculative:\n      type: eagle\n", "tiers.fast.speculative.type must be one of draft, mtp, ngram", 5,
+                 id="speculative-type"),
+    pytest.param(MINIMAL + "    speculative:\n      type: draft\n", "tiers.fast.speculative of type draft is missing required key 'draft_model'",
+                 4, id="speculative-draft-needs-model"),
+    pytest.param(MINIMAL + "    speculative:\n      type: ngram\n      draft_max: 0\n",
+                 "tiers.fast.speculative.draft_max must be a positive integer", 6, id="speculative-draft-max"),
+    pytest.param(MINIMAL + "    speculative:\n      type: mtp\n      draft_min: 9\n",
+                 "tiers.fast.speculative.draft_min (9) is above draft_max (8)", 4, id="speculative-min-above-max"),
+    pytest.param(MINIMAL + "    speculative:\n      type: ngram\n      enabled: 'no'\n",
+                 "tiers.fast.speculative.enabled must be true or false", 6, id="speculative-enabled"),
 ]
 
 
@@ -241,7 +254,20 @@ def test_malformed_recipe(text, expected, line):
 def test_unknown_key_lists_allowed_keys():
     with pytest.raises(RecipeError) as info:
         parse_recipe(MINIMAL + "    gpu: yes\n")
-    assert "allowed keys are model, backend, context, thinking, sampling, description, make, needs" in str(info.value)
+    assert "allowed keys are model, backend, context, thinking, sampling, description, make, needs, parallel, speculative" in str(info.value)
+
+
+def test_parallel_and_speculative_parse():
+    from gemmactl.recipes import Speculative
+
+    recipe = parse_recipe(MINIMAL + "    parallel: 16\n    speculative:\n      type: draft\n      draft_model: small.gguf\n"
+                          "      draft_max: 12\n      enabled: false\n")
+    tier = recipe.tiers["fast"]
+    assert tier.parallel == 16
+    assert tier.speculative == Speculative(kind="draft", draft_model="small.gguf", draft_max=12, enabled=False)
+    assert tier.speculative.spec_type == "draft-simple"
+    assert parse_recipe(MINIMAL).tiers["fast"].speculative is None
+    assert parse_recipe(MINIMAL + "    speculative: {type: mtp}\n").tiers["fast"].speculative.spec_type == "draft-mtp"
 
 
 def test_error_carries_hint():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,6 +161,20 @@ def write_result(result: dict, out_dir: Path) -> Path:
     return path
 
 
+def plot_in_child(out_dir: Path) -> Path:
+    """Draw out_dir/plot.png from out_dir/result.json in a child process.
+
+    matplotlib and a CUDA build of llama.cpp in one process crashed it on a GPU machine (each
+    loads its own native libraries), so the bench process never imports matplotlib.
+    """
+    done = subprocess.run([sys.executable, "-m", "gemmactl.bench.report", str(out_dir)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()] or [f"exit status {done.returncode}"]
+        raise RuntimeError(f"drawing {out_dir / 'plot.png'} failed: {lines[-1]}")
+    return out_dir / "plot.png"
+
+
 def write_plot(result: dict, out_dir: Path) -> Path:
     """plot.png: tok/s vs concurrency (or per target), and cold vs warm TTFT (or TTFT per target)."""
     import matplotlib
@@ -207,3 +223,9 @@ def write_plot(result: dict, out_dir: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":
+    # python -m gemmactl.bench.report DIR: draw DIR/plot.png from DIR/result.json.
+    target = Path(sys.argv[1])
+    write_plot(json.loads((target / "result.json").read_text(encoding="utf-8")), target)

@@ -10,7 +10,7 @@ from gemmactl.bench import stats
 from gemmactl.bench.manifest import build_manifest, llama_cpp_identity, load_average, model_identity
 from gemmactl.bench.prompts import LONG_PREFIX, BenchPrompt, load_prompts, long_conversation
 from gemmactl.bench.targets import (
-    COMPARE_CLASSES, COMPARE_TARGETS, OURS, WARMUP_TOKENS, GemmactlTarget, TargetSettings, TargetUnavailable,
+    COMPARE_TARGETS, OURS, WARMUP_TOKENS, GemmactlTarget, TargetSettings, TargetUnavailable, open_target,
 )
 from gemmactl.errors import InvalidOptionError, NoLlamaBuildError, PromptTooLongError
 from gemmactl.store import Store
@@ -108,7 +108,7 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
         for name in compare:
             progress(f"loading {name}")
             try:
-                targets.append(COMPARE_CLASSES[name](settings))
+                targets.append(open_target(name, settings))
             except TargetUnavailable as exc:
                 skipped.append({"target": name, "reason": str(exc)})
         for target in targets:

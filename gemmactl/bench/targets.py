@@ -160,7 +160,7 @@ class LlamaServerTarget:
     note = "llama-server's prompt cache (cache_prompt)"
 
     def __init__(self, settings: TargetSettings, parallel: int = 1):
-        from gemmactl.bench.server import LlamaServer
+        from gemmactl.llamacpp.server import LlamaServer
 
         if not settings.is_gguf:
             raise TargetUnavailable("llama-server runs GGUF files; this model is not one")
@@ -307,3 +307,16 @@ COMPARE_CLASSES = {
     "hf-generate": HfGenerateTarget,
     "accelerate": AccelerateTarget,
 }
+
+# Targets that import torch run in a worker process (see gemmactl/bench/isolated.py).
+ISOLATED = {"hf-generate": "HfGenerateTarget", "accelerate": "AccelerateTarget"}
+
+
+def open_target(name: str, settings: TargetSettings):
+    """Load one --compare target: llama.cpp ones in this process, torch ones in a worker."""
+    if name in ISOLATED:
+        from gemmactl.bench.isolated import IsolatedTarget
+
+        return IsolatedTarget(ISOLATED[name], settings)
+    return COMPARE_CLASSES[name](settings)
+

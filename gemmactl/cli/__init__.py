@@ -24,7 +24,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "list": ("gemmactl.cli.store_cmds", "list_cmd", "List the models and artifacts in the store."),
     "rm": ("gemmactl.cli.store_cmds", "rm_cmd", "Remove a model or artifact from the store."),
     "bench": ("gemmactl.cli.bench", "bench", "Measure decode-only and wall-clock speed, optionally side by side."),
-    "plan": ("gemmactl.cli.plan", "plan", "Plan where a model's layers go for a VRAM/RAM budget, and predict its speed."),
+    "plan": ("gemmactl.cli.plan", "plan", "Place a model's layers under a VRAM budget and predict its speed."),
+    "serve": ("gemmactl.cli.serve", "serve", "Serve every tier of a recipe behind one OpenAI-compatible endpoint."),
+    "ps": ("gemmactl.cli.ps", "ps", "List running gemmactl servers and their tiers."),
 }
 
 

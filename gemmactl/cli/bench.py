@@ -44,7 +44,7 @@ def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_pr
       gemmactl bench --compare llama-cpp-python --compare llama-server --warm-prefix
       gemmactl bench --concurrency 1,4,16 --out results --plot
     """
-    from gemmactl.bench.report import render_text, sections, write_plot, write_result
+    from gemmactl.bench.report import plot_in_child, render_text, sections, write_result
     from gemmactl.bench.runner import BenchConfig, check_config, parse_concurrency, run_bench
     from gemmactl.errors import InvalidOptionError
     from gemmactl.store import Store
@@ -74,7 +74,7 @@ def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_pr
     if out:
         write_result(result, out)
         if plot:
-            write_plot(result, out)
+            plot_in_child(out)
     if json_mode:
         emit_json(result)
         return
@@ -99,9 +99,11 @@ def _command_args(ctx: click.Context) -> list[str]:
 def _require_matplotlib() -> None:
     from gemmactl.errors import InvalidOptionError
 
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    from importlib.util import find_spec
+
+    # Only looked up here: importing matplotlib beside a CUDA build of llama.cpp can crash the
+    # process, so the chart is drawn in a child process once the measurements are done.
+    if find_spec("matplotlib") is None:
         raise InvalidOptionError(
             "--plot needs matplotlib, which is not installed", hint="Install it: pip install 'gemmactl[bench]'"
         ) from None

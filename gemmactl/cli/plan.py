@@ -21,7 +21,7 @@ from gemmactl.cli.output import emit_json, table, warn
 @click.option("--json", "json_mode", is_flag=True, help="Print the plan as JSON (schema in docs/placement.md).")
 @click.option("--out", "out", metavar="FILE", type=click.Path(dir_okay=False), help="Write the plan as JSON to FILE (atomically).")
 def plan(model, vram, ram, context, parallel, backend, quant, hardware, remeasure, verify, json_mode, out):
-    """Plan where a model's layers go for a VRAM and RAM budget, and predict its speed.
+    """Place a model's layers under a VRAM budget and predict its speed.
 
     MODEL is a store name, a .gguf file, an int4-stream folder, a Hugging Face checkpoint folder,
     or a folder holding only config.json (then pass --quant). Only headers are read.

@@ -1,0 +1,273 @@
+"""A llama-server process on 127.0.0.1 and its HTTP client: start, health, stop, streamed completions.
+
+`gemmactl bench` starts one per measurement; `gemmactl serve` keeps one per GGUF tier and restarts
+it when it dies. Every server gets `-fa off --swa-full` so that its attention work, and so its
+greedy text, equals the in-process backend's (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gemmactl.errors import ServerError
+
+HOST = "127.0.0.1"
+# The settings under which llama-server's greedy text equals the in-process backend's on Gemma:
+# no flash attention, and a full-size cache for the sliding-window layers (the C API's default;
+# the server's own default keeps only the window, which also breaks prefix reuse).
+SAME_AS_IN_PROCESS = ("-fa", "off", "--swa-full")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerReply:
+    """One streamed completion: its timing, text and the server's own counters."""
+
+    timing: object  # gemmactl.bench.stats.RequestTiming
+    text: str
+    final: dict = field(default_factory=dict)
+
+    @property
+    def cached_tokens(self) -> int:
+        return int(self.final.get("timings", {}).get("cache_n", 0))
+
+    @property
+    def engine_decode_tok_s(self) -> float | None:
+        return self.final.get("timings", {}).get("predicted_per_second")
+
+
+class LlamaServer:
+    """llama-server for one GGUF with N slots, each holding `context` tokens; stopped on exit.
+
+    `placement` replaces the default `-ngl N` (e.g. the planner's `-ngl 20 -ot ...`); `extra_args`
+    are appended (speculative decoding, ...).
+    """
+
+    def __init__(
+        self,
+        binary: Path,
+        model_path: str,
+        *,
+        threads: int,
+        context: int,
+        parallel: int = 1,
+        n_gpu_layers: int = 999,
+        repack: bool = True,
+        log_dir: Path,
+        placement: Sequence[str] | None = None,
+        extra_args: Sequence[str] = (),
+        port: int | None = None,
+        label: str = "",
+    ):
+        self.binary = Path(binary)
+        self.model_path = str(model_path)
+        self.port = port or free_port()
+        self.parallel = parallel
+        self.context = context
+        gpu = list(placement) if placement else ["-ngl", str(n_gpu_layers)]
+        # Without --kv-unified the context is split evenly over the slots: size it per slot.
+        self.command = [
+            str(binary), "-m", self.model_path, "--host", HOST, "--port", str(self.port),
+            "-t", str(threads), "-tb", str(threads), "-c", str(context * parallel), "-np", str(parallel),
+            *gpu, "--no-kv-unified", *SAME_AS_IN_PROCESS,
+        ] + ([] if repack else ["--no-repack"]) + list(extra_args)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        name = f"llama-server-{label}-{self.port}" if label else f"llama-server-np{parallel}-{self.port}"
+        self.log_path = log_dir / f"{name}.log"
+        self.process: subprocess.Popen | None = None
+        self.load_s = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self, timeout: float = 180) -> float:
+        """Start and wait for /health; returns the seconds it took (the server's load time)."""
+        started = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            try:
+                self.process = subprocess.Popen(
+                    self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise ServerError(f"llama-server could not start: {exc}", hint=f"See its log: {self.log_path}") from exc
+        deadline = started + timeout
+        while time.perf_counter() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(
+                    f"llama-server exited with code {code} before it was ready: {self._last_log_line()}",
+                    hint=f"See its log: {self.log_path}",
+                )
+            if self._healthy():
+                self.load_s = time.perf_counter() - started
+                return self.load_s
+            time.sleep(0.05)
+        self.stop()
+        raise ServerError(f"llama-server was not ready after {timeout:.0f} s", hint=f"See its log: {self.log_path}")
+
+    def stop(self) -> None:
+        """Ask the server to stop; kill it if it does not within 10 s."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def __enter__(self) -> "LlamaServer":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def peak_rss_bytes(self) -> int | None:
+        """The server process's peak resident memory (VmHWM), while it runs."""
+        if self.pid is None:
+            return None
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
+    # -- HTTP ---------------------------------------------------------------------------------------
+
+    def get_json(self, path: str, timeout: float = 10) -> dict:
+        """GET a JSON endpoint (/props, /slots, ...)."""
+        return self._request("GET", path, None, timeout)
+
+    def post_json(self, path: str, payload: dict, timeout: float = 60) -> dict:
+        """POST a JSON body and read a JSON answer (/tokenize, non-streamed /completion)."""
+        return self._request("POST", path, payload, timeout)
+
+    def stream(self, payload: dict, *, timeout: float = 300) -> Iterator[dict]:
+        """POST a streaming /completion and yield its events; the last one has "stop": true.
+
+        Closing the iterator early closes the connection, which makes llama-server cancel the task.
+        """
+        connection = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
+        try:
+            try:
+                connection.request("POST", "/completion", json.dumps(dict(payload, stream=True)),
+                                   {"Content-Type": "application/json"})
+                response = connection.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                raise ServerError(f"llama-server did not answer: {exc}", hint=f"See its log: {self.log_path}") from exc
+            if response.status != 200:
+                raise ServerError(
+                    f"llama-server answered HTTP {response.status}: {response.read()[:200].decode(errors='replace')}",
+                    hint=f"See its log: {self.log_path}",
+                )
+            while True:
+                try:
+                    raw = response.readline()
+                except (OSError, http.client.HTTPException) as exc:
+                    raise ServerError(f"streaming from llama-server failed: {exc}",
+                                      hint=f"See its log: {self.log_path}") from exc
+                if not raw:
+                    raise ServerError("llama-server closed the stream before the end of the answer",
+                                      hint=f"See its log: {self.log_path}")
+                if not raw.startswith(b"data: "):
+                    continue
+                try:
+                    event = json.loads(raw[6:])
+                except ValueError as exc:
+                    raise ServerError(f"llama-server sent a malformed event: {raw[:120]!r}") from exc
+                if "error" in event:
+                    raise ServerError(f"llama-server failed: {event['error'].get('message', event['error'])}",
+                                      hint=f"See its log: {self.log_path}")
+                yield event
+                if event.get("stop"):
+                    return
+        finally:
+            connection.close()
+
+    def complete(self, prompt: str, max_tokens: int, *, cache_prompt: bool, timeout: float = 300) -> ServerReply:
+        """Stream one greedy completion; request start → first and last token events, as the core times them."""
+        from gemmactl.bench.stats import RequestTiming
+
+        if not self.alive():
+            raise ServerError("llama-server is not running", hint=f"See its log: {self.log_path}")
+        payload = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "cache_prompt": cache_prompt, "seed": 0}
+        pieces: list[str] = []
+        first = last = None
+        final: dict = {}
+        start = time.perf_counter()
+        for event in self.stream(payload, timeout=timeout):
+            now = time.perf_counter()
+            pieces.append(event.get("content", ""))
+            if event.get("stop"):
+                final = event
+                break
+            # One event per generated token (its text may be "" while a character is incomplete).
+            first = first if first is not None else now
+            last = now
+        generated = int(final.get("tokens_predicted", 0))
+        timing = RequestTiming(start, first, last, int(final.get("tokens_evaluated", 0)), generated)
+        return ServerReply(timing, "".join(pieces), final)
+
+    def _request(self, method: str, path: str, payload: dict | None, timeout: float) -> dict:
+        connection = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
+        try:
+            body = json.dumps(payload) if payload is not None else None
+            connection.request(method, path, body, {"Content-Type": "application/json"} if body else {})
+            response = connection.getresponse()
+            data = response.read()
+            if response.status != 200:
+                raise ServerError(f"llama-server answered HTTP {response.status} to {path}: "
+                                  f"{data[:200].decode(errors='replace')}", hint=f"See its log: {self.log_path}")
+            return json.loads(data)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise ServerError(f"llama-server {path} failed: {exc}", hint=f"See its log: {self.log_path}") from exc
+        finally:
+            connection.close()
+
+    def _healthy(self) -> bool:
+        connection = http.client.HTTPConnection(HOST, self.port, timeout=2)
+        try:
+            connection.request("GET", "/health")
+            return connection.getresponse().status == 200
+        except OSError:
+            return False
+        finally:
+            connection.close()
+
+    def _last_log_line(self) -> str:
+        try:
+            lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return "no log"
+        return lines[-1].strip()[:200] if lines else "no output"

@@ -1,0 +1,199 @@
+"""The OpenAI-compatible request and response shapes: body → routed `Job`, events → JSON chunks.
+
+The tier comes from `model` when it names one; otherwise (`auto`, the recipe's name, nothing)
+the last user message's prefix or the heuristic picks it, exactly as `gemmactl run` does, and
+the prefix is removed from what the model sees.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+from gemmactl.errors import InvalidOptionError, UnknownTierError
+from gemmactl.recipes import Recipe
+from gemmactl.router import Route, route
+from gemmactl.runtime.base import GenerationRequest
+from gemmactl.server.backends import Job
+from gemmactl.server.prompts import last_user_index, normalize_messages
+
+AUTO_MODELS = ("", "auto", "gemmactl", "default")
+SEPARATE_REASONING = ("separate", "deepseek", "parsed", "auto")
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A parsed request: which tier, the job for its backend, and how to answer."""
+
+    kind: str  # "chat" or "completion"
+    tier: str
+    route: Route
+    job: Job
+    stream: bool
+    include_usage: bool
+    reasoning: bool  # return thinking as reasoning_content instead of dropping it
+    id: str
+    created: int
+
+
+def parse_request(kind: str, body: object, recipe: Recipe) -> Routed:
+    """Validate an OpenAI body for /v1/chat/completions ("chat") or /v1/completions ("completion")."""
+    if not isinstance(body, dict):
+        raise InvalidOptionError("the request body must be a JSON object")
+    tiers = list(recipe.tiers)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidOptionError("'model' must be a string")
+    override = None
+    if model and model in recipe.tiers:
+        override = model
+    elif (model or "") not in AUTO_MODELS and model != recipe.name:
+        raise UnknownTierError(
+            f"no model '{model}': this server's models are its tiers ({', '.join(tiers)}) or 'auto'",
+            hint="List them with GET /v1/models.",
+        )
+    messages = None
+    if kind == "chat":
+        messages = normalize_messages(body.get("messages"))
+        index = last_user_index(messages)
+        chosen = route(messages[index]["content"], tiers, default_tier=recipe.default_tier, override=override)
+        messages[index] = dict(messages[index], content=chosen.prompt)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise InvalidOptionError("'prompt' must be a string (token lists and batches are not supported)")
+        chosen = route(prompt, tiers, default_tier=recipe.default_tier, override=override)
+    if not chosen.prompt.strip():
+        raise InvalidOptionError("the prompt is empty" + (f" after the '{chosen.prefix}' prefix" if chosen.prefix else ""))
+    tier = recipe.tier(chosen.tier)
+    request = _sampling(body, tier, chosen)
+    n = body.get("n", 1)
+    if n != 1:
+        raise InvalidOptionError("only n=1 is supported")
+    stream_options = body.get("stream_options") or {}
+    return Routed(
+        kind=kind, tier=tier.name, route=chosen,
+        job=Job(request=request, messages=messages, stops=_stops(body.get("stop"))),
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+        reasoning=body.get("reasoning_format") in SEPARATE_REASONING or body.get("include_reasoning") is True,
+        id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
+        created=int(time.time()),
+    )
+
+
+def _number(body: dict, key: str, *, integer: bool = False, low: float | None = None, high: float | None = None):
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise InvalidOptionError(f"'{key}' must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise InvalidOptionError(f"'{key}' is out of range: {value}")
+    return value
+
+
+def _sampling(body: dict, tier, chosen: Route) -> GenerationRequest:
+    s = tier.sampling
+    max_tokens = _number(body, "max_completion_tokens", integer=True, low=1) or _number(body, "max_tokens", integer=True, low=1)
+    thinking = body.get("thinking")
+    kwargs = body.get("chat_template_kwargs")
+    if thinking is None and isinstance(kwargs, dict):
+        thinking = kwargs.get("enable_thinking")
+    if thinking is None:
+        thinking = tier.thinking if chosen.thinking is None else chosen.thinking
+    request = GenerationRequest(
+        prompt=chosen.prompt,
+        max_tokens=max_tokens or s.max_tokens,
+        temperature=_pick(_number(body, "temperature", low=0), s.temperature),
+        top_k=_pick(_number(body, "top_k", integer=True, low=0), s.top_k),
+        top_p=_pick(_number(body, "top_p", low=0, high=1), s.top_p),
+        min_p=_pick(_number(body, "min_p", low=0, high=1), s.min_p),
+        repeat_penalty=_pick(_number(body, "repeat_penalty", low=0) or _number(body, "repetition_penalty", low=0),
+                             s.repeat_penalty),
+        seed=_number(body, "seed", integer=True),
+        thinking=bool(thinking),
+    )
+    return replace(request, raw=False)
+
+
+def _pick(value, default):
+    return default if value is None else value
+
+
+def _stops(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+        return tuple(s for s in stop if s)
+    raise InvalidOptionError("'stop' must be a string or a list of up to 16 strings")
+
+
+# -- responses -----------------------------------------------------------------------------------
+
+
+def finish_reason(stats) -> str:
+    return "length" if stats is not None and stats.stop_reason == "length" else "stop"
+
+
+def usage(stats) -> dict:
+    prompt = stats.prompt_tokens if stats else 0
+    generated = stats.generated_tokens if stats else 0
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+
+def extension(r: Routed, stats, counters: dict | None) -> dict:
+    """gemmactl's own fields in a response: routing and the request's timings."""
+    data = {"tier": r.tier, "route": r.route.reason}
+    if stats is not None:
+        data.update({"ttft_s": round(stats.ttft_s, 4), "wall_s": round(stats.wall_s, 4),
+                     "decode_tok_s": round(stats.decode_tok_s, 2)})
+    if counters:
+        data.update(counters)
+    return data
+
+
+def full_response(r: Routed, answer: str, thinking: str, stats, counters: dict | None) -> dict:
+    if r.kind == "chat":
+        message = {"role": "assistant", "content": answer.strip()}
+        if r.reasoning and thinking:
+            message["reasoning_content"] = thinking.strip()
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason(stats), "logprobs": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": answer, "finish_reason": finish_reason(stats), "logprobs": None}
+        obj = "text_completion"
+    return {"id": r.id, "object": obj, "created": r.created, "model": r.tier, "choices": [choice],
+            "usage": usage(stats), "gemmactl": extension(r, stats, counters)}
+
+
+def chunk(r: Routed, *, text: str | None = None, channel: str = "answer", first: bool = False,
+          finish: str | None = None) -> dict:
+    """One streamed chunk: the role, a piece of answer or reasoning, or the finish reason."""
+    if r.kind == "chat":
+        delta: dict = {}
+        if first:
+            delta = {"role": "assistant", "content": ""}
+        elif text is not None:
+            delta = {"reasoning_content" if channel == "thinking" else "content": text}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        obj = "text_completion"
+    return {"id": r.id, "object": obj, "created": r.created, "model": r.tier, "choices": [choice]}
+
+
+def usage_chunk(r: Routed, stats, counters: dict | None) -> dict:
+    obj = "chat.completion.chunk" if r.kind == "chat" else "text_completion"
+    return {"id": r.id, "object": obj, "created": r.created, "model": r.tier, "choices": [],
+            "usage": usage(stats), "gemmactl": extension(r, stats, counters)}
+
+
+def error_body(message: str, kind: str, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "code": code}}

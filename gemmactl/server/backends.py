@@ -1,0 +1,308 @@
+"""The warm backends behind the front: a persistent llama-server per GGUF model, or a model in process.
+
+Both hand out per-request sessions that satisfy the `Backend` protocol, so every answer goes
+through the one streaming core (`runtime.base.stream_generate`) that `run` uses: same stop
+strings, same thinking cleanup, same stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gemmactl.errors import BackendError, ServerError
+from gemmactl.prompting import PromptText
+from gemmactl.runtime.base import EngineTimings, GenerationRequest, PreparedPrompt
+from gemmactl.server.prompts import ModelText, completion_prompt, model_text_from_gguf, render_messages
+
+log = logging.getLogger("gemmactl.serve")
+
+READY, STARTING, RESTARTING, FAILED, STOPPED = "ready", "starting", "restarting", "failed", "stopped"
+RESTART_DELAYS = (0.0, 1.0, 2.0, 5.0, 10.0)  # seconds before each restart attempt; then the backend is failed
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request as a backend sees it: chat messages or a raw prompt, sampling, extra stops."""
+
+    request: GenerationRequest  # sampling; its prompt is the user's last text (for the core's checks)
+    messages: list[dict] | None = None  # chat; None means request.prompt is continued as it is
+    stops: tuple[str, ...] = ()
+
+    def build(self, model: ModelText) -> PromptText:
+        if self.messages is None:
+            return completion_prompt(self.request.prompt)
+        return render_messages(self.messages, model, thinking=self.request.thinking)
+
+
+@dataclass
+class BackendInfo:
+    """What `ps`, /health and /metrics say about a backend."""
+
+    kind: str  # "llama-server", "in-process llamacpp", "in-process int4"
+    model_path: str
+    tiers: list[str]
+    parallel: int
+    context: int
+    placement: str = ""
+    speculative: str = "off"
+    command: list[str] = field(default_factory=list)
+
+
+class ServerBackend:
+    """A llama-server child for one GGUF and settings, restarted when it dies; shared by its tiers."""
+
+    kind = "llama-server"
+
+    def __init__(
+        self,
+        binary: Path,
+        model_path: Path,
+        *,
+        tiers: Sequence[str],
+        context: int,
+        parallel: int,
+        threads: int,
+        log_dir: Path,
+        placement: Sequence[str] | None = None,
+        placement_note: str = "",
+        extra_args: Sequence[str] = (),
+        speculative: str = "off",
+        on_change: Callable[[], None] | None = None,
+    ):
+        from gemmactl.llamacpp.server import LlamaServer
+
+        self._make = lambda: LlamaServer(
+            binary, str(model_path), threads=threads, context=context, parallel=parallel, log_dir=log_dir,
+            placement=placement, extra_args=extra_args, label="-".join(tiers),
+        )
+        self.server = self._make()
+        self.model_path = str(model_path)
+        self.context = context
+        self.parallel = parallel
+        self.slots = threading.Semaphore(parallel)
+        self.state = STARTING
+        self.restarts = 0
+        self.load_s = 0.0
+        self.model_text: ModelText | None = None
+        self.info = BackendInfo(self.kind, self.model_path, list(tiers), parallel, context, placement_note,
+                                speculative, list(self.server.command))
+        self._on_change = on_change or (lambda: None)
+        self._stopping = threading.Event()
+        self._watchdog: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.pid
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def start(self) -> None:
+        """Start the process, read its special tokens and the model's template, then watch it."""
+        self._start_once()
+        self.state = READY
+        self._watchdog = threading.Thread(target=self._watch, name=f"watch-{self.info.tiers[0]}", daemon=True)
+        self._watchdog.start()
+
+    def _start_once(self) -> None:
+        self.load_s = self.server.start()
+        props = self.server.get_json("/props")
+        self.model_text = model_text_from_gguf(Path(self.model_path), props.get("bos_token", ""),
+                                               props.get("eos_token", ""))
+        self.info.command = list(self.server.command)
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(0.2):
+            if self.state != READY or self.server.alive():
+                continue
+            code = self.server.process.returncode if self.server.process else None
+            log.warning("llama-server for %s exited (code %s); restarting it", ", ".join(self.info.tiers), code)
+            self.state = RESTARTING
+            self._on_change()
+            for delay in RESTART_DELAYS:
+                if self._stopping.wait(delay):
+                    return
+                try:
+                    self.server.stop()
+                    self.server = self._make()
+                    self._start_once()
+                except ServerError as exc:
+                    log.warning("restarting llama-server for %s failed: %s", ", ".join(self.info.tiers), exc)
+                    continue
+                self.restarts += 1
+                self.state = READY
+                log.info("llama-server for %s is back (pid %s, %.1f s)", ", ".join(self.info.tiers),
+                         self.server.pid, self.load_s)
+                break
+            else:
+                self.state = FAILED
+                log.error("llama-server for %s could not be restarted; see %s", ", ".join(self.info.tiers),
+                          self.server.log_path)
+            self._on_change()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=15)
+        self.server.stop()
+        self.state = STOPPED
+
+    def session(self, job: Job) -> "ServerSession":
+        return ServerSession(self, job)
+
+
+class ServerSession:
+    """One request against a ServerBackend, shaped as a `Backend` for `stream_generate`."""
+
+    name = "llama-server"
+
+    def __init__(self, backend: ServerBackend, job: Job):
+        self.backend = backend
+        self.server = backend.server  # the process of this request, even if a restart replaces it
+        self.job = job
+        self.model_path = backend.model_path
+        self.load_s = backend.load_s
+        self.context_size = backend.context
+        self.final: dict = {}
+
+    def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        if self.backend.state != READY or not self.server.alive():
+            raise ServerError(f"the backend of tier {'/'.join(self.backend.info.tiers)} is {self.backend.state}")
+        built = self.job.build(self.backend.model_text)
+        # Tokenized by the server itself with the flags `run` uses: BOS as the prompt mode says,
+        # control tokens parsed only in chat-template text.
+        tokens = self.server.post_json("/tokenize", {
+            "content": built.text, "add_special": built.add_bos, "parse_special": built.mode == "chat-template",
+        })["tokens"]
+        return PreparedPrompt(tokens=tokens, mode=built.mode, stops=built.stops + self.job.stops, text=built.text)
+
+    def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str]:
+        payload = {
+            "prompt": prompt.tokens, "n_predict": request.max_tokens, "temperature": request.temperature,
+            "top_k": request.top_k, "top_p": request.top_p, "min_p": request.min_p,
+            "repeat_penalty": request.repeat_penalty, "seed": -1 if request.seed is None else request.seed,
+            # Timings on every event: the core may stop reading before the final one (max_tokens, a stop).
+            "cache_prompt": True, "timings_per_token": True,
+        }
+        for event in self.server.stream(payload):
+            self.final = event
+            if event.get("stop"):
+                if event.get("content"):
+                    yield event["content"]
+                return
+            yield event.get("content", "")
+
+    def engine_timings(self) -> EngineTimings | None:
+        timings = self.final.get("timings")
+        if not timings:
+            return None
+        return EngineTimings(timings.get("prompt_ms", 0) / 1000, int(timings.get("prompt_n", 0)),
+                             timings.get("predicted_ms", 0) / 1000, int(timings.get("predicted_n", 0)))
+
+    def counters(self) -> dict:
+        """Prompt-cache and speculative counters of the finished request."""
+        timings = self.final.get("timings", {})
+        return {"cached_tokens": int(timings.get("cache_n", 0)), "draft_tokens": int(timings.get("draft_n", 0)),
+                "draft_accepted": int(timings.get("draft_n_accepted", 0))}
+
+    def close(self) -> None:
+        pass
+
+
+class InProcessBackend:
+    """A model loaded in this process (llama-cpp-python or the int4 runtime): one request at a time."""
+
+    def __init__(self, loaded, *, tiers: Sequence[str], context: int, note: str = ""):
+        self.loaded = loaded
+        self.kind = f"in-process {loaded.name}"
+        self.model_path = loaded.model_path
+        self.context = loaded.context_size
+        self.parallel = 1
+        self.slots = threading.Semaphore(1)
+        self.state = READY
+        self.restarts = 0
+        self.load_s = loaded.load_s
+        self.pid = None
+        self.url = None
+        self.model_text = _in_process_model_text(loaded)
+        self.info = BackendInfo(self.kind, self.model_path, list(tiers), 1, context, note)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self.state = STOPPED
+        self.loaded.close()
+
+    def session(self, job: Job) -> "InProcessSession":
+        return InProcessSession(self, job)
+
+
+class InProcessSession:
+    """One request against an InProcessBackend, shaped as a `Backend` for `stream_generate`."""
+
+    def __init__(self, backend: InProcessBackend, job: Job):
+        self.backend = backend
+        self.loaded = backend.loaded
+        self.name = self.loaded.name
+        self.job = job
+        self.model_path = backend.model_path
+        self.load_s = backend.load_s
+        self.context_size = backend.context
+
+    def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        if self.backend.state != READY:
+            raise BackendError(f"the in-process backend is {self.backend.state}")
+        built = self.job.build(self.backend.model_text)
+        tokens = _tokenize_in_process(self.loaded, built)
+        return PreparedPrompt(tokens=tokens, mode=built.mode, stops=built.stops + self.job.stops, text=built.text)
+
+    def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str]:
+        return self.loaded.generate(prompt, request)
+
+    def engine_timings(self) -> EngineTimings | None:
+        return self.loaded.engine_timings()
+
+    def counters(self) -> dict:
+        # Every in-process generation starts from an empty cache (prefix reuse is wrong on Gemma there).
+        return {"cached_tokens": 0, "draft_tokens": 0, "draft_accepted": 0}
+
+    def close(self) -> None:
+        pass
+
+
+def _in_process_model_text(loaded) -> ModelText:
+    tokenizer = getattr(loaded, "tokenizer", None)
+    if tokenizer is not None:  # the int4 runtime: a transformers tokenizer
+        return ModelText(loaded.chat_template, tokenizer.bos_token or "", tokenizer.eos_token or "")
+    llm = loaded._llm  # llama-cpp-python's Llama
+    bos, eos = llm.token_bos(), llm.token_eos()
+    text = lambda token: llm.detokenize([token], special=True).decode("utf-8", errors="replace") if token >= 0 else ""
+    return ModelText(loaded.chat_template, text(bos), text(eos))
+
+
+def _tokenize_in_process(loaded, built: PromptText) -> list[int]:
+    """Token ids of a built prompt with the flags the backend's own prepare() uses."""
+    tokenizer = getattr(loaded, "tokenizer", None)
+    if tokenizer is not None:
+        ids = tokenizer(built.text, add_special_tokens=False)["input_ids"]
+        bos = [tokenizer.bos_token_id] if built.add_bos and tokenizer.bos_token_id is not None else []
+        return bos + ids
+    return loaded._llm.tokenize(built.text.encode("utf-8"), add_bos=built.add_bos,
+                                special=built.mode == "chat-template")
+
+
+def wait_ready(backends: Sequence, timeout: float) -> bool:
+    """Whether every backend is ready within timeout seconds (for tests and `serve` start-up)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(b.state == READY for b in backends):
+            return True
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,307 @@
+"""`gemmactl serve` as a library: start every tier's warm backend and the front, stop them all.
+
+Tiers with the same model and server settings share one llama-server. Without a llama.cpp
+build, GGUF tiers run in process (one request at a time) and a warning says so; int4 tiers
+always run in process.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gemmactl.errors import GemmactlError, NoLlamaBuildError, PortInUseError
+from gemmactl.recipes import Recipe, Tier
+from gemmactl.server.backends import InProcessBackend, ServerBackend
+from gemmactl.server.lanes import Lane
+from gemmactl.server.peers import PeerSet
+from gemmactl.server.registry import state_path, write_state
+from gemmactl.store import Store, utc_now
+
+log = logging.getLogger("gemmactl.serve")
+
+DEFAULT_QUEUE = 512
+DEFAULT_PORT = 8080
+
+
+@dataclass
+class ServeConfig:
+    recipe: Recipe
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT  # 0: any free port
+    api_key: str | None = None
+    peers: list[str] = field(default_factory=list)
+    queue: int = DEFAULT_QUEUE  # requests waiting per tier before 503
+    speculative: bool = True  # False turns off every tier's speculative decoding
+    threads: int | None = None
+    request_timeout: float = 600.0  # longest wait for a slot
+    require_build: bool = False  # fail instead of falling back to the in-process backend
+
+
+@dataclass(frozen=True)
+class BackendPlan:
+    """How one backend is made: which tiers share it and with what settings."""
+
+    key: tuple
+    kind: str  # "llama-server", "llamacpp" or "int4" (the last two in process)
+    model_path: Path
+    tiers: list[str]
+    context: int
+    parallel: int
+    spec_args: tuple[str, ...] = ()
+    spec_note: str = "off"
+
+
+def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_build: bool
+                  ) -> tuple[list[BackendPlan], dict[str, str], list[str]]:
+    """(backend plans, tier → why it cannot run, warnings); loads nothing."""
+    from gemmactl.llamacpp.build import active_build
+    from gemmactl.models import resolve_model_ref
+    from gemmactl.oneshot import model_backend
+
+    build = active_build(store)
+    server_binary = build.binaries.get("llama-server") if build else None
+    if require_build and server_binary is None:
+        raise NoLlamaBuildError("no llama.cpp build with llama-server to serve GGUF tiers from")
+    plans: dict[tuple, BackendPlan] = {}
+    unavailable: dict[str, str] = {}
+    warnings: list[str] = []
+    for name, tier in recipe.tiers.items():
+        hint = f" Make it with: {' && '.join(tier.make)}" if tier.make else ""
+        try:
+            path = resolve_model_ref(tier.model, store, missing_hint=hint.strip() or None)
+            kind = model_backend(path, tier.backend)
+            spec_args, spec_note = _speculative(tier, store, speculative and kind == "llamacpp")
+        except GemmactlError as exc:
+            unavailable[name] = f"{exc.message}.{hint or (' ' + exc.hint if exc.hint else '')}"
+            continue
+        if kind == "llamacpp" and server_binary is not None:
+            key = ("llama-server", str(path), tier.context, tier.parallel, spec_args)
+            kind = "llama-server"
+        else:
+            if kind == "llamacpp":
+                warnings.append(f"tier {name}: no llama.cpp build with llama-server, so it runs in process, one "
+                                "request at a time, without prompt caching; run `gemmactl build` for the server")
+            if tier.speculative and tier.speculative.enabled and speculative:
+                warnings.append(f"tier {name}: speculative decoding needs llama-server; it is off for this tier")
+            key = (kind, str(path), tier.context)
+            spec_args, spec_note = (), "off"
+        if key in plans:
+            plans[key].tiers.append(name)
+        else:
+            parallel = tier.parallel if kind == "llama-server" else 1
+            plans[key] = BackendPlan(key, kind, path, [name], tier.context, parallel, spec_args, spec_note)
+    return list(plans.values()), unavailable, warnings
+
+
+def _speculative(tier: Tier, store: Store, allowed: bool) -> tuple[tuple[str, ...], str]:
+    """llama-server flags for the tier's speculative decoding, and how /metrics describes it."""
+    spec = tier.speculative
+    if spec is None or not spec.enabled or not allowed:
+        return (), "off"
+    from gemmactl.models import resolve_model_ref
+
+    args = ["--spec-type", spec.spec_type]
+    note = spec.kind
+    if spec.draft_model:
+        draft = resolve_model_ref(spec.draft_model, store)
+        args += ["-md", str(draft)]
+        note = f"{spec.kind} ({Path(draft).name})"
+    if spec.kind != "ngram":
+        args += ["--spec-draft-n-max", str(spec.draft_max), "--spec-draft-n-min", str(spec.draft_min)]
+    return tuple(args), note
+
+
+def placement_args(model_path: Path, context: int, parallel: int, store: Store | None = None
+                   ) -> tuple[tuple[str, ...], str]:
+    """llama-server placement flags from the planner (`gemmactl plan`), and why."""
+    try:
+        from gemmactl.plan.auto import auto_placement
+    except ImportError:
+        return ("-ngl", "999"), "no planner: all layers offered to the GPU"
+    try:
+        placement = auto_placement(Path(model_path), context, parallel=parallel, store=store)
+    except GemmactlError as exc:
+        return ("-ngl", "999"), f"planner failed ({exc.message}): all layers offered to the GPU"
+    if placement.applied and placement.server_args:
+        return tuple(placement.server_args), f"planned: {placement.reason}"
+    layers = "999" if placement.n_gpu_layers < 0 else str(placement.n_gpu_layers)
+    return ("-ngl", layers), placement.reason
+
+
+class Service:
+    """The running server: backends, lanes, peers, the HTTP front and the state file."""
+
+    def __init__(self, config: ServeConfig, store: Store | None = None):
+        self.config = config
+        self.store = store or Store()
+        self.recipe = config.recipe
+        self.backends: list = []
+        self.lanes: dict[str, Lane] = {}
+        self.peers = PeerSet(config.peers)
+        self.warnings: list[str] = []
+        self.httpd = None
+        self.started = utc_now()
+        self.state_file: Path | None = None
+        self._thread: threading.Thread | None = None
+        self._state_lock = threading.Lock()
+        self._close_lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> "Service":
+        """Start every backend (warm), then the front; raises if no tier can run."""
+        try:
+            from gemmactl.server.front import make_http_server
+
+            # Bind first: a taken port fails before any model loads; connections wait in the backlog.
+            try:
+                self.httpd = make_http_server(self)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                raise PortInUseError(f"{self.config.host}:{self.config.port} is already in use") from None
+            self._start_backends()
+            self.peers.start()
+            self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                            name="front", daemon=True)
+            self._thread.start()
+            self.state_file = state_path(self.store, os.getpid(), self.httpd.server_address[1])
+            self.write_state()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start_backends(self) -> None:
+        plans, unavailable, warnings = plan_backends(
+            self.recipe, self.store, speculative=self.config.speculative, require_build=self.config.require_build)
+        self.warnings.extend(warnings)
+        for warning in warnings:
+            log.warning(warning)
+        by_tier = {}
+        errors = dict(unavailable)
+        for plan in plans:
+            try:
+                backend = self._open(plan)
+            except GemmactlError as exc:
+                for name in plan.tiers:
+                    errors[name] = f"{exc.message}. {exc.hint or ''}".strip()
+                continue
+            self.backends.append(backend)
+            for name in plan.tiers:
+                by_tier[name] = backend
+        if not by_tier:
+            first = next(iter(errors.items()))
+            raise GemmactlError(f"no tier of recipe '{self.recipe.name}' can run; {first[0]}: {first[1]}",
+                                hint="Fix the first problem above, or serve another recipe with --recipe.")
+        for name, tier in self.recipe.tiers.items():
+            if name in errors:
+                log.warning("tier %s is unavailable: %s", name, errors[name])
+            self.lanes[name] = Lane(tier, by_tier.get(name), self.config.queue, unavailable=errors.get(name))
+
+    def _open(self, plan: BackendPlan):
+        from gemmactl.runtime.llamacpp import default_threads
+
+        threads = self.config.threads or default_threads()
+        started = time.perf_counter()
+        if plan.kind == "llama-server":
+            from gemmactl.llamacpp.build import active_build
+
+            placement, note = placement_args(plan.model_path, plan.context, plan.parallel, self.store)
+            build = active_build(self.store)
+            backend = ServerBackend(
+                build.binary("llama-server"), plan.model_path, tiers=plan.tiers, context=plan.context,
+                parallel=plan.parallel, threads=threads, log_dir=self.store.home / "logs" / "serve",
+                placement=placement, placement_note=note, extra_args=plan.spec_args, speculative=plan.spec_note,
+                on_change=self.write_state,
+            )
+            backend.start()
+            log.info("tiers %s: llama-server pid %s on port %s, %d slots of %d tokens, placement: %s, "
+                     "speculative: %s (%.1f s)", ",".join(plan.tiers), backend.pid, backend.server.port,
+                     plan.parallel, plan.context, note, plan.spec_note, time.perf_counter() - started)
+            return backend
+        from gemmactl.runtime import backend_class
+
+        options = {}
+        if plan.kind == "llamacpp":
+            from gemmactl.llamacpp.library import select_library
+
+            options["library"] = select_library(self.store)
+        loaded = backend_class(plan.kind)(str(plan.model_path), context_size=plan.context, **options)
+        for notice in getattr(loaded, "notices", []):
+            log.warning(notice)
+        log.info("tiers %s: %s in process, one request at a time (%.1f s)", ",".join(plan.tiers), plan.kind,
+                 time.perf_counter() - started)
+        return InProcessBackend(loaded, tiers=plan.tiers, context=plan.context, note="in process")
+
+    def state(self) -> dict:
+        tiers = {}
+        for name, lane in self.lanes.items():
+            backend = lane.backend
+            tiers[name] = {
+                "state": lane.state, "backend": backend.info.kind if backend else None,
+                "model": backend.info.model_path if backend else None,
+                "pid": backend.pid if backend else None,
+                "port": backend.server.port if isinstance(backend, ServerBackend) else None,
+                "parallel": backend.info.parallel if backend else None,
+                "placement": backend.info.placement if backend else None,
+                "speculative": backend.info.speculative if backend else None,
+                "reason": lane.unavailable,
+            }
+        return {
+            "pid": os.getpid(), "url": self.url, "started": self.started, "recipe": self.recipe.name,
+            "recipe_path": self.recipe.path, "api_key": bool(self.config.api_key),
+            "peers": [p.url for p in self.peers.peers], "tiers": tiers,
+        }
+
+    def write_state(self) -> None:
+        if self.state_file is None or self.httpd is None:
+            return
+        with self._state_lock:
+            try:
+                write_state(self.state_file, self.state())
+            except OSError as exc:
+                log.warning("could not write %s: %s", self.state_file, exc)
+
+    def wait(self) -> None:
+        """Block until the front stops (close() from a signal handler or another thread)."""
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=0.5)
+
+    def close(self) -> None:
+        """Stop the front, every backend (llama-server children included) and the peer checks."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._close()
+
+    def _close(self) -> None:
+        if self.httpd is not None:
+            if self._thread is not None and self._thread.is_alive():
+                self.httpd.shutdown()
+            self.httpd.server_close()
+        self.peers.stop()
+        for backend in self.backends:
+            try:
+                backend.stop()
+            except Exception as exc:  # noqa: BLE001 - stopping the others matters more
+                log.warning("stopping a backend failed: %s", exc)
+        if self.state_file is not None:
+            self.state_file.unlink(missing_ok=True)
+            self.state_file = None
+
+
+def serve(config: ServeConfig, store: Store | None = None) -> Service:
+    """Start a server and return it running; call close() to stop it."""
+    return Service(config, store).start()

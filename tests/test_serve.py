@@ -1,0 +1,359 @@
+"""`gemmactl serve` over real HTTP on 127.0.0.1: the official openai client, routing, load, faults, peers, keys.
+
+Servers run the embedded Gemma 3 270M on the cached CPU llama.cpp build's llama-server; requests
+are kept short (few tokens) so the whole file stays within a minute or two on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import invoke
+
+pytestmark = pytest.mark.real_model
+
+QUESTION = "What is the capital of France?"
+
+
+def recipe_text(model: Path, *, parallel: int = 4, deep_context: int | None = None) -> str:
+    """fast and deep on the embedded GGUF; a different deep context gives deep its own llama-server."""
+    deep = f"    context: {deep_context}\n" if deep_context else "    context: 2048\n"
+    return (
+        "name: serve-test\n"
+        "tiers:\n"
+        f"  fast:\n    model: {model}\n    context: 2048\n    parallel: {parallel}\n"
+        "    sampling: {temperature: 0.0, repeat_penalty: 1.1, max_tokens: 16}\n"
+        f"  deep:\n    model: {model}\n{deep}    parallel: {parallel}\n"
+        "    sampling: {temperature: 0.0, repeat_penalty: 1.1, max_tokens: 32}\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def serve_home(llama_build_store, tmp_path_factory) -> Path:
+    """A store of this module's own that shares the cached llama.cpp build."""
+    home = tmp_path_factory.mktemp("serve-home")
+    for sub in ("builds", "sources"):
+        (home / sub).symlink_to(llama_build_store / sub, target_is_directory=True)
+    return home
+
+
+def start(home: Path, recipe: str, **options):
+    from gemmactl.recipes import parse_recipe
+    from gemmactl.server.service import ServeConfig, Service
+    from gemmactl.store import Store
+
+    config = ServeConfig(recipe=parse_recipe(recipe), port=0, **options)
+    return Service(config, Store(home)).start()
+
+
+@pytest.fixture(scope="module")
+def server(serve_home, embedded_gguf):
+    service = start(serve_home, recipe_text(embedded_gguf))
+    yield service
+    service.close()
+
+
+def post(url: str, body: dict, key: str | None = None, timeout: float = 120):
+    """(status, headers, parsed JSON body) of a POST."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), json.loads(error.read())
+
+
+def get(url: str, key: str | None = None):
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def client(service, key: str = "unused"):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{service.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def wait_for(predicate, timeout: float = 60, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# -- the OpenAI surface ----------------------------------------------------------------------------
+
+
+def test_openai_client_answers_like_run_streamed_and_not(server, embedded_gguf):
+    from gemmactl.recipes import Tier
+    from gemmactl.runtime.base import GenerationRequest, Piece, stream_generate
+    from gemmactl.runtime.llamacpp import LlamaCppBackend
+
+    api = client(server)
+    reply = api.chat.completions.create(model="fast", messages=[{"role": "user", "content": QUESTION}])
+    answer = reply.choices[0].message.content
+    assert reply.model == "fast" and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens > 5 and reply.usage.completion_tokens >= 1
+
+    stream = api.chat.completions.create(model="fast", messages=[{"role": "user", "content": QUESTION}],
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == answer
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+    # The same greedy text as the in-process path `gemmactl run` takes (same settings as the tier).
+    sampling = Tier("fast", str(embedded_gguf)).sampling
+    backend = LlamaCppBackend(str(embedded_gguf), context_size=2048)
+    try:
+        request = GenerationRequest(QUESTION, max_tokens=16, temperature=0.0, top_k=sampling.top_k,
+                                    top_p=sampling.top_p, repeat_penalty=1.1)
+        in_process = "".join(e.text for e in stream_generate(backend, request)
+                             if isinstance(e, Piece) and e.channel == "answer")
+    finally:
+        backend.close()
+    assert answer == in_process.strip()
+    assert "Paris" in answer
+
+
+def test_routing_by_model_and_by_prefix(server):
+    api = client(server)
+    by_prefix = api.chat.completions.create(model="auto", messages=[{"role": "user", "content": f"deep: {QUESTION}"}])
+    assert by_prefix.model == "deep" and "Paris" in by_prefix.choices[0].message.content
+    by_model = api.chat.completions.create(model="deep", messages=[{"role": "user", "content": QUESTION}])
+    assert by_model.model == "deep"
+    # The prefix is routing, never prompt text: stripped, the model sees the same question.
+    assert by_prefix.choices[0].message.content == by_model.choices[0].message.content
+    quick = api.chat.completions.create(model="auto", messages=[{"role": "user", "content": f"quick: {QUESTION}"}])
+    assert quick.model == "fast"
+    status, _, body = post(f"{server.url}/v1/chat/completions",
+                           {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 404 and "fast, deep" in body["error"]["message"]
+    status, _, body = post(f"{server.url}/v1/chat/completions", {"messages": []})
+    assert status == 400 and "messages" in body["error"]["message"]
+
+
+def test_completions_models_health_and_metrics(server):
+    api = client(server)
+    done = api.completions.create(model="fast", prompt="Question: Who wrote the play Hamlet?\nAnswer:",
+                                  max_tokens=6, temperature=0)
+    assert "Shakespeare" in done.choices[0].text
+    pieces = list(api.completions.create(model="fast", prompt="The history of the city of Paris begins",
+                                         max_tokens=5, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in pieces if p.choices).strip()
+    assert [m.id for m in api.models.list().data] == ["fast", "deep"]
+    status, text = get(f"{server.url}/metrics")
+    assert status == 200
+    series = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("gemmactl_"))
+    assert int(series['gemmactl_completed_total{tier="fast"}']) >= 2
+    assert int(series['gemmactl_generated_tokens_total{tier="fast"}']) >= 2
+    assert 'gemmactl_queue_depth{tier="deep"}' in series and 'gemmactl_cache_hits_total{tier="fast"}' in series
+    assert series['gemmactl_backend_up{tier="fast"}'] == "1"
+    health = json.loads(get(f"{server.url}/health")[1])
+    assert health["status"] == "ok" and health["tiers"]["fast"]["backend"] == "llama-server"
+    # fast and deep have the same model and settings here: one process serves both.
+    assert health["tiers"]["fast"]["pid"] == health["tiers"]["deep"]["pid"]
+
+
+def test_warm_conversation_reuses_the_cached_prefix(server):
+    from gemmactl.bench.prompts import catalogue
+
+    messages = []
+    for book in catalogue()[:14]:
+        messages.append({"role": "user", "content": f"Do you have \"{book['title']}\"?"})
+        messages.append({"role": "assistant", "content": f"Yes, by {book['author']}, {book['year']}, shelf {book['shelf']}."})
+    messages.append({"role": "user", "content": "Which shelf holds the third book?"})
+    status, _, first = post(f"{server.url}/v1/chat/completions", {"model": "fast", "messages": messages, "max_tokens": 4})
+    assert status == 200
+    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "And who wrote it?"}]
+    status, _, second = post(f"{server.url}/v1/chat/completions", {"model": "fast", "messages": messages, "max_tokens": 4})
+    assert status == 200
+    # The second turn's prompt starts with the whole first prompt: the server skipped it.
+    assert second["gemmactl"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 2
+    assert second["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"]
+
+
+# -- load -----------------------------------------------------------------------------------------
+
+
+def test_burst_of_120_concurrent_requests_none_dropped(server):
+    def one(i: int):
+        return post(f"{server.url}/v1/completions",
+                    {"model": "fast", "prompt": f"Question: What is {i} plus {i}?\nAnswer:", "max_tokens": 2})
+
+    before = server.lanes["fast"].counters.completed
+    with ThreadPoolExecutor(max_workers=120) as pool:
+        results = list(pool.map(one, range(120)))
+    assert [status for status, _, _ in results] == [200] * 120
+    assert all(body["usage"]["completion_tokens"] >= 1 for _, _, body in results)
+    assert server.lanes["fast"].counters.completed - before == 120
+
+
+def test_past_the_queue_bound_is_503_with_retry_after(serve_home, embedded_gguf):
+    service = start(serve_home, recipe_text(embedded_gguf, parallel=1), queue=1)
+    try:
+        api = client(service)
+        holder = api.completions.create(model="fast", prompt="Once upon a time", max_tokens=400, stream=True)
+        next(iter(holder))  # the only slot is now busy
+        waiter = ThreadPoolExecutor(1).submit(post, f"{service.url}/v1/completions",
+                                              {"model": "fast", "prompt": "Hello", "max_tokens": 2})
+        wait_for(lambda: service.lanes["fast"].waiting == 1, what="a queued request")
+        status, headers, body = post(f"{service.url}/v1/completions", {"model": "fast", "prompt": "Hi", "max_tokens": 2})
+        assert status == 503 and headers["Retry-After"] == "2" and "saturated" in body["error"]["message"]
+        holder.close()  # the client goes away: its slot is released and the queued request runs
+        assert waiter.result(timeout=120)[0] == 200
+        assert service.lanes["fast"].counters.rejected == 1
+    finally:
+        service.close()
+
+
+# -- faults and peers -----------------------------------------------------------------------------
+
+
+def test_killed_backend_fails_its_request_then_recovers(serve_home, embedded_gguf):
+    import openai
+
+    service = start(serve_home, recipe_text(embedded_gguf, parallel=2))
+    try:
+        api = client(service)
+        backend = service.lanes["fast"].backend
+        old_pid = backend.pid
+        stream = api.completions.create(model="fast", prompt="Once upon a time", max_tokens=1000, stream=True)
+        events = iter(stream)
+        next(events)
+        os.kill(old_pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError):
+            for _ in events:
+                pass
+        wait_for(lambda: backend.state == "ready" and backend.pid != old_pid, timeout=90, what="the restart")
+        reply = api.chat.completions.create(model="fast", messages=[{"role": "user", "content": QUESTION}])
+        assert "Paris" in reply.choices[0].message.content
+        assert backend.restarts == 1
+        assert json.loads(get(f"{service.url}/health")[1])["tiers"]["fast"]["restarts"] == 1
+    finally:
+        service.close()
+    assert not _running(old_pid) and not _running(backend.pid)
+
+
+def test_peer_answers_when_the_local_tier_is_down(serve_home, embedded_gguf, server):
+    local = start(serve_home, recipe_text(embedded_gguf, parallel=1), peers=[server.url], queue=0)
+    try:
+        api = client(local)
+        # Saturated (one slot, no queue): the second of two concurrent requests goes to the peer.
+        holder = api.completions.create(model="fast", prompt="Once upon a time", max_tokens=300, stream=True)
+        next(iter(holder))
+        status, headers, body = post(f"{local.url}/v1/chat/completions",
+                                     {"model": "fast", "messages": [{"role": "user", "content": QUESTION}]})
+        assert status == 200 and headers["X-Gemmactl-Peer"] == server.url and "Paris" in body["choices"][0]["message"]["content"]
+        holder.close()
+        # Down: the local server's backend is stopped; the peer answers, streamed through the local front.
+        local.lanes["fast"].backend.stop()
+        stream = api.chat.completions.create(model="fast", messages=[{"role": "user", "content": QUESTION}], stream=True)
+        assert "Paris" in "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert local.lanes["fast"].counters.forwarded == 2
+        # With the peer gone too (marked down by its health check), the answer is a 503, never a hang.
+        local.peers.peers[0].healthy = False
+        status, headers, _ = post(f"{local.url}/v1/chat/completions",
+                                  {"model": "fast", "messages": [{"role": "user", "content": QUESTION}]})
+        assert status == 503 and "Retry-After" in headers
+    finally:
+        local.close()
+
+
+def test_api_key_is_enforced(serve_home, embedded_gguf):
+    import openai
+
+    service = start(serve_home, recipe_text(embedded_gguf, parallel=1), api_key="s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            client(service, key="wrong").models.list()
+        assert get(f"{service.url}/metrics")[0] == 401
+        assert post(f"{service.url}/v1/completions", {"prompt": "Hi"})[0] == 401
+        assert get(f"{service.url}/health")[0] == 200  # health stays open for peers and load balancers
+        reply = client(service, key="s3cret").chat.completions.create(
+            model="fast", messages=[{"role": "user", "content": QUESTION}])
+        assert "Paris" in reply.choices[0].message.content
+    finally:
+        service.close()
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+def test_serve_command_ps_and_clean_shutdown(serve_home, embedded_gguf, tmp_path, runner, monkeypatch):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(recipe_text(embedded_gguf, parallel=1))
+    env = dict(os.environ, GEMMACTL_HOME=str(serve_home), GEMMACTL_NO_PROGRESS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "gemmactl", "serve", "--recipe", str(recipe), "--port", "0", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        state = json.loads(proc.stdout.readline())
+        child = state["tiers"]["fast"]["pid"]
+        assert _running(child) and state["url"].startswith("http://127.0.0.1:")
+        monkeypatch.setenv("GEMMACTL_HOME", str(serve_home))
+        listed = json.loads(invoke(runner, ["ps", "--json"]).stdout)
+        mine = next(s for s in listed if s["pid"] == proc.pid)
+        assert mine["status"] == "ok" and mine["tiers"]["fast"]["state"] == "ready"
+        table = invoke(runner, ["ps"]).stdout
+        assert state["url"] in table and "llama-server" in table
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not _running(child)
+    assert not any(s["pid"] == proc.pid for s in json.loads(invoke(runner, ["ps", "--json"]).stdout))
+
+
+def test_ps_removes_stale_state(serve_home, runner, monkeypatch, tmp_path):
+    home = tmp_path / "home"
+    (home / "servers").mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (home / "servers" / f"{dead.pid}-1.json").write_text(json.dumps({"pid": dead.pid, "url": "http://127.0.0.1:1", "tiers": {}}))
+    monkeypatch.setenv("GEMMACTL_HOME", str(home))
+    result = invoke(runner, ["ps"])
+    assert result.exit_code == 0 and "No gemmactl server is running" in result.stdout
+    assert "which is gone" in result.stderr and not list((home / "servers").glob("*.json"))
+
+
+def test_without_a_build_tiers_run_in_process_with_a_warning(tmp_path, embedded_gguf):
+    from gemmactl.store import Store
+
+    service = start(tmp_path / "no-build", recipe_text(embedded_gguf, parallel=2))
+    try:
+        assert any("no llama.cpp build" in w for w in service.warnings)
+        lane = service.lanes["fast"]
+        assert lane.backend.info.kind == "in-process llamacpp" and lane.backend is service.lanes["deep"].backend
+        reply = client(service).chat.completions.create(model="fast", messages=[{"role": "user", "content": QUESTION}])
+        assert "Paris" in reply.choices[0].message.content
+    finally:
+        service.close()
+    assert Store(tmp_path / "no-build").home.exists()
+
+
+def _running(pid: int | None) -> bool:
+    from gemmactl.server.registry import pid_alive
+
+    return pid_alive(pid)

@@ -1,0 +1,161 @@
+"""The serving pieces without a model: request parsing and routing, prompt building, admission, GGUF metadata."""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import pytest
+
+from gemmactl.errors import InvalidOptionError, UnknownTierError
+from gemmactl.recipes import parse_recipe
+from gemmactl.server.api import parse_request
+from gemmactl.server.lanes import Lane, Saturated, Unavailable
+from gemmactl.server.prompts import ModelText, gguf_metadata, render_messages
+
+RECIPE = parse_recipe("name: two\ntiers:\n  fast:\n    model: embedded\n  deep:\n    model: embedded\n    thinking: false\n")
+BASE = ModelText(None, "<bos>", "<eos>")
+
+
+def chat(content: str, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": content}], **extra}
+
+
+def test_model_names_the_tier_and_prefix_is_stripped():
+    routed = parse_request("chat", chat("deep: why is the sky blue?", model="fast"), RECIPE)
+    assert routed.tier == "fast" and routed.job.messages[-1]["content"] == "why is the sky blue?"
+    auto = parse_request("chat", chat("think: why is the sky blue?", model="auto"), RECIPE)
+    assert auto.tier == "deep" and auto.job.request.thinking is True and auto.route.prefix == "think:"
+    assert parse_request("chat", chat("hello", model="two"), RECIPE).tier == "fast"  # the recipe's name is auto
+    # The last user message decides, not the first.
+    body = {"messages": [{"role": "user", "content": "deep: a"}, {"role": "assistant", "content": "b"},
+                         {"role": "user", "content": "quick: c"}]}
+    assert parse_request("chat", body, RECIPE).tier == "fast"
+
+
+def test_request_sampling_overrides_the_tier():
+    routed = parse_request("completion", {"prompt": "x", "temperature": 0, "max_tokens": 7, "stop": ["\n"], "seed": 3}, RECIPE)
+    request = routed.job.request
+    assert (request.temperature, request.max_tokens, request.seed) == (0, 7, 3)
+    assert routed.job.stops == ("\n",) and routed.job.messages is None
+    assert parse_request("completion", {"prompt": "x"}, RECIPE).job.request.max_tokens == RECIPE.tier("fast").sampling.max_tokens
+
+
+@pytest.mark.parametrize(("kind", "body", "error", "words"), [
+    ("chat", chat("hi", model="gpt-4"), UnknownTierError, "fast, deep"),
+    ("chat", {"messages": [{"role": "robot", "content": "x"}]}, InvalidOptionError, "role"),
+    ("chat", {"messages": [{"role": "system", "content": "x"}]}, InvalidOptionError, "user message"),
+    ("chat", chat("deep:   "), InvalidOptionError, "empty after the 'deep:' prefix"),
+    ("chat", chat("hi", temperature="hot"), InvalidOptionError, "'temperature' must be a number"),
+    ("chat", chat("hi", max_tokens=0), InvalidOptionError, "out of range"),
+    ("chat", chat("hi", n=2), InvalidOptionError, "n=1"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, InvalidOptionError, "text content"),
+    ("completion", {"prompt": [1, 2]}, InvalidOptionError, "'prompt' must be a string"),
+])
+def test_bad_requests(kind, body, error, words):
+    with pytest.raises(error) as info:
+        parse_request(kind, body, RECIPE)
+    assert words in info.value.message
+
+
+def test_base_model_conversation_keeps_a_stable_prefix():
+    one = [{"role": "user", "content": "What is 2+2?"}]
+    assert render_messages(one, BASE, thinking=False).text == "Question: What is 2+2?\nAnswer:"
+    two = one + [{"role": "assistant", "content": " 4"}, {"role": "user", "content": "And 3+3?"}]
+    built = render_messages([{"role": "system", "content": "Be brief."}] + two, BASE, thinking=False)
+    assert built.text == "Be brief.\nQuestion: What is 2+2?\nAnswer: 4\nQuestion: And 3+3?\nAnswer:"
+    assert built.mode == "question-frame" and "\nQuestion:" in built.stops
+    # Turn n's prompt minus its answer cue is a prefix of turn n+1's: the prompt cache can reuse it.
+    first = render_messages([{"role": "system", "content": "Be brief."}] + one, BASE, thinking=False).text
+    assert built.text.startswith(first)
+
+
+def test_chat_template_gets_the_whole_conversation_and_thinking():
+    template = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</>{% endfor %}"
+                "{% if enable_thinking %}<think>{% endif %}<assistant>")
+    model = ModelText(template, "<bos>", "<eos>")
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    built = render_messages(messages, model, thinking=True)
+    assert built.text == "<bos><user>a</><assistant>b</><user>c</><think><assistant>"
+    assert built.mode == "chat-template" and built.add_bos is False
+
+
+class FakeBackend:
+    def __init__(self, parallel: int):
+        self.slots = threading.Semaphore(parallel)
+        self.state = "ready"
+
+
+def test_lane_admits_up_to_slots_plus_queue_then_refuses():
+    backend = FakeBackend(parallel=1)
+    lane = Lane(RECIPE.tier("fast"), backend, bound=1)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        with lane.slot(timeout=10):
+            entered.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert entered.wait(5)
+    waiter = threading.Thread(target=lambda: lane.slot(timeout=10).__enter__())
+    waiter.start()
+    for _ in range(200):
+        if lane.waiting == 1:
+            break
+        threading.Event().wait(0.01)
+    assert lane.waiting == 1 and lane.saturated
+    with pytest.raises(Saturated):
+        with lane.slot(timeout=10):
+            pass
+    release.set()
+    holder.join(5)
+    waiter.join(5)
+    assert lane.waiting == 0 and lane.counters.rejected == 1 and lane.counters.requests == 2
+    backend.state = "restarting"
+    with pytest.raises(Unavailable, match="restarting"):
+        with lane.slot(timeout=1):
+            pass
+
+
+def _gguf(path, kv: list[tuple[str, int, bytes]]) -> None:
+    """A GGUF holding only metadata: (key, type, packed value)."""
+    out = b"GGUF" + struct.pack("<IQQ", 3, 0, len(kv))
+    for key, kind, value in kv:
+        out += struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", kind) + value
+    path.write_bytes(out)
+
+
+def _string(text: str) -> bytes:
+    return struct.pack("<Q", len(text.encode())) + text.encode()
+
+
+def test_gguf_metadata_skips_arrays_and_reads_the_template(tmp_path):
+    path = tmp_path / "m.gguf"
+    tokens = struct.pack("<IQ", 8, 3) + b"".join(_string(t) for t in ("<bos>", "a", "b"))
+    _gguf(path, [
+        ("general.architecture", 8, _string("gemma3")),
+        ("tokenizer.ggml.tokens", 9, tokens),
+        ("tokenizer.ggml.scores", 9, struct.pack("<IQ", 6, 3) + struct.pack("<3f", 0, 1, 2)),
+        ("tokenizer.ggml.add_bos_token", 7, b"\x01"),
+        ("tokenizer.chat_template", 8, _string("{{ messages }}")),
+    ])
+    found = gguf_metadata(path, ("tokenizer.chat_template", "tokenizer.ggml.add_bos_token", "missing"))
+    assert found == {"tokenizer.chat_template": "{{ messages }}", "tokenizer.ggml.add_bos_token": True}
+
+
+def test_a_taken_port_fails_before_anything_loads(tmp_path):
+    import socket
+
+    from gemmactl.errors import PortInUseError
+    from gemmactl.server.service import ServeConfig, Service
+    from gemmactl.store import Store
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"127.0.0.1:{port} is already in use"):
+            Service(ServeConfig(recipe=RECIPE, port=port), Store(tmp_path)).start()
+    assert not (tmp_path / "models").exists()  # the embedded model was not even assembled
