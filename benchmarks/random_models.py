@@ -58,11 +58,14 @@ def build(kind: str, out: Path, vocab: Path, device: str = "cpu") -> Path:
     from gemmactl.formats.gguf_vocab import write_hf_tokenizer
 
     torch.manual_seed(0)
-    if kind == "e2b":
-        model = Gemma4ForCausalLM(Gemma4TextConfig(**E2B))
-    else:
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**GEMMA3_270M))
-    model = model.to(device=device, dtype=torch.bfloat16)
+    # Built on the target device: random initialisation of billions of parameters on the CPU
+    # takes minutes, on a GPU seconds.
+    with torch.device(device):
+        if kind == "e2b":
+            model = Gemma4ForCausalLM(Gemma4TextConfig(**E2B))
+        else:
+            model = Gemma3ForCausalLM(Gemma3TextConfig(**GEMMA3_270M))
+    model = model.to(dtype=torch.bfloat16)
     model.save_pretrained(out)
     write_hf_tokenizer(vocab, out)
     return out
