@@ -12,15 +12,25 @@ models, `llama_logits(gguf)` for a GGUF through llama-cpp-python (e.g. llama.cpp
 Q4_0 of the same checkpoint, made with the active build's llama-quantize).
 
     python benchmarks/int4_fidelity.py --checkpoint DIR [--tokens 4096] [--window 512]
-        [--groups 32 64 128] [--gguf NAME=FILE ...] [--out results.json]
+        [--variants g32 g64 g128 g32-minmax g32-calib-s8 ...] [--calibration TEXT]
+        [--gguf NAME=FILE ...] [--out results.json]
+
+A variant names its group size and options, joined by "-": `gN` (group size), `minmax` (the
+plain min/max fit instead of the squared-error search), `calib` (weigh the search by activation
+importance measured on --calibration, which must not be the evaluation text), `s8`/`s4`
+(`--sensitive int8`/`int4`, s4 when not named). The reference's logits are computed once per
+window and kept on disk, so each candidate costs one forward pass per window.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import math
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -69,6 +79,38 @@ def llama_logits(gguf_path: str, window: int, threads: int | None = None):
     return run
 
 
+def cached(source, folder: Path):
+    """A logits source that computes each window once and keeps it as a file in folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def run(ids: list[int]) -> torch.Tensor:
+        path = folder / f"{hashlib.sha256(str(ids).encode()).hexdigest()[:16]}.pt"
+        if not path.exists():
+            torch.save(source(ids), path)
+        return torch.load(path, mmap=True)
+
+    return run
+
+
+def parse_variant(spec: str, calibration: Path | None):
+    """QuantizeOptions for a variant name like g32, g64-minmax or g32-calib-s8."""
+    from gemmactl.formats.int4.calibrate import Calibration
+    from gemmactl.formats.int4.layout import QuantizeOptions
+
+    parts = spec.split("-")
+    unknown = [p for p in parts[1:] if p not in ("minmax", "calib", "s8", "s4")]
+    if not parts[0].startswith("g") or unknown:
+        raise SystemExit(f"cannot read variant {spec!r}")
+    if "calib" in parts and calibration is None:
+        raise SystemExit(f"variant {spec} needs --calibration")
+    return QuantizeOptions(
+        group_size=int(parts[0][1:]),
+        sensitive="int8" if "s8" in parts else "int4",
+        search="minmax" not in parts,
+        calibration=Calibration.from_file(calibration) if "calib" in parts else None,
+    )
+
+
 def score(reference, candidate, windows: list[list[int]], chunk: int = 128) -> dict:
     """PPL of both and KL(reference ‖ candidate) per scored position, over all windows."""
     nll_ref = nll = 0.0
@@ -105,7 +147,8 @@ def main() -> None:
     parser.add_argument("--text", type=Path, default=TEXT)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--groups", type=int, nargs="*", default=[32, 64, 128])
+    parser.add_argument("--variants", nargs="*", default=["g32", "g64", "g128"])
+    parser.add_argument("--calibration", type=Path, help="text for the activation importance of `calib` variants")
     parser.add_argument("--embeddings", default="int8")
     parser.add_argument("--gguf", nargs="*", default=[], metavar="NAME=FILE", help="extra candidates through llama-cpp-python")
     parser.add_argument("--out", type=Path)
@@ -113,7 +156,6 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gemmactl.formats.int4.layout import QuantizeOptions
     from gemmactl.formats.int4.quantize import quantize_checkpoint
     from gemmactl.formats.int4.reader import open_artifact
     from gemmactl.runtime.int4_dequant import build_model
@@ -121,27 +163,38 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     windows = text_windows(tokenizer, args.text, args.tokens, args.window)
     # float32 compute for every torch model: the only difference left is the weights.
-    reference = torch_logits(AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval())
+    if args.calibration and args.calibration.resolve() == args.text.resolve():
+        raise SystemExit("--calibration must not be the evaluation text")
+    options = {spec: parse_variant(spec, args.calibration) for spec in args.variants}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for group in args.groups:
-            out = Path(tmp) / f"g{group}"
-            quantize_checkpoint(args.checkpoint, out, QuantizeOptions(group_size=group, embeddings=args.embeddings))
+        reference_model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
+        reference = cached(torch_logits(reference_model), Path(tmp) / "reference")
+        for spec, option in options.items():
+            out = Path(tmp) / spec
+            option = dataclasses.replace(option, embeddings=args.embeddings)
+            start = time.perf_counter()
+            quantize_checkpoint(args.checkpoint, out, option)
+            quantize_s = time.perf_counter() - start
             artifact = open_artifact(out)
             size = sum(artifact.shards.values())
             model = build_model(artifact, torch.float32)
             start = time.perf_counter()
-            results[f"int4-stream g{group}"] = score(reference, torch_logits(model), windows) | {
+            results[f"int4-stream {spec}"] = score(reference, torch_logits(model), windows) | {
                 "bytes": size,
                 "bits_per_param": size * 8 / sum(r.numel for r in artifact.records),
+                "layer_bytes": sum(r.nbytes for r in artifact.records if r.layer is not None),
+                "layer_params": sum(r.numel for r in artifact.records if r.layer is not None),
+                "quantize_s": quantize_s,
                 "seconds": time.perf_counter() - start,
             }
-            print(f"int4-stream g{group}: {json.dumps(results[f'int4-stream g{group}'])}", file=sys.stderr)
-            del model
-    for spec in args.gguf:
-        name, _, path = spec.partition("=")
-        results[name] = score(reference, llama_logits(path, args.window), windows) | {"bytes": Path(path).stat().st_size}
-        print(f"{name}: {json.dumps(results[name])}", file=sys.stderr)
+            print(f"int4-stream {spec}: {json.dumps(results[f'int4-stream {spec}'])}", file=sys.stderr)
+            del model, artifact
+            shutil.rmtree(out)
+        for spec in args.gguf:
+            name, _, path = spec.partition("=")
+            results[name] = score(reference, llama_logits(path, args.window), windows) | {"bytes": Path(path).stat().st_size}
+            print(f"{name}: {json.dumps(results[name])}", file=sys.stderr)
 
     report = {
         "command": " ".join(sys.argv),
@@ -150,6 +203,7 @@ def main() -> None:
         "text": str(args.text),
         "tokens_scored": results[next(iter(results))]["positions"] if results else 0,
         "window": args.window,
+        "calibration": str(args.calibration) if args.calibration else None,
         "results": results,
     }
     print(json.dumps(report, indent=2))

@@ -14,7 +14,10 @@ For the transformers variants it also times the first forward pass (8 tokens) af
 from_pretrained maps the safetensors file and reads weights lazily, on first use, so load time
 alone flatters it; load + first forward is "ready and computing".
 
-    python benchmarks/int4_load.py --checkpoint DIR [--group-size 32] [--repeats 5] [--out FILE]
+    python benchmarks/int4_load.py --checkpoint DIR [--group-size 32] [--repeats 5] [--threads N] [--out FILE]
+
+--threads sets OMP_NUM_THREADS for every child alike: on a machine shared with other work, two
+threads per op wait on each other at every barrier, and one thread is the fairer measurement.
 """
 
 from __future__ import annotations
@@ -73,8 +76,12 @@ model = AutoModelForCausalLM.from_pretrained(CKPT, dtype=torch.float32)
 }
 
 
+CHILD_ENV = dict(os.environ)
+
+
 def run_child(args: list[str], env: dict | None = None) -> tuple[float, int, str]:
     """(wall seconds, peak RSS bytes, stdout) of one child process."""
+    env = CHILD_ENV | (env or {})
     start = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     out = proc.stdout.read().decode()
@@ -104,8 +111,11 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quantize-repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every child (default: torch's own)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.threads:
+        CHILD_ENV["OMP_NUM_THREADS"] = str(args.threads)
 
     from gemmactl.formats.int4.checkpoint import open_checkpoint
     from gemmactl.formats.int4.layout import tensor_layer
@@ -119,7 +129,8 @@ def main() -> None:
     largest_tensor = max(t.numel * 2 for t in source.tensors)
 
     report: dict = {"command": " ".join(sys.argv), "machine": platform.processor() or platform.machine(),
-                    "cpus": len(os.sched_getaffinity(0)), "source_bytes": source_bytes,
+                    "cpus": len(os.sched_getaffinity(0)), "threads": args.threads, "load_avg": os.getloadavg(),
+                    "source_bytes": source_bytes,
                     "largest_layer_bf16_bytes": largest_layer, "largest_tensor_bf16_bytes": largest_tensor}
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, GEMMACTL_HOME=str(Path(tmp) / "home"), GEMMACTL_NO_PROGRESS="1")
@@ -167,6 +178,7 @@ def main() -> None:
         report["ready_ratio_vs_hf_bf16"] = {
             name: hf_ready / v["load_forward_s_median"] for name, v in report["reload"].items() if name != "int4 packed"
         }
+    report["load_avg_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -64,14 +64,23 @@ def quantize_int4_stream(
     group_size: int = 32,
     shard_size: int = 1 << 30,
     embeddings: str = "int8",
+    sensitive: str = "int8",
+    calibration: Path | None = None,
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ):
     """Quantize a checkpoint to an int4-stream artifact and register it; returns (Artifact, QuantizeResult)."""
     from gemmactl.formats.int4 import STORE_FORMAT, QuantizeOptions
+    from gemmactl.formats.int4.calibrate import Calibration
     from gemmactl.formats.int4.quantize import quantize_checkpoint
 
-    options = QuantizeOptions(group_size=group_size, shard_size=shard_size, embeddings=embeddings)
+    options = QuantizeOptions(
+        group_size=group_size,
+        shard_size=shard_size,
+        embeddings=embeddings,
+        sensitive=sensitive,
+        calibration=Calibration.from_file(calibration) if calibration else None,
+    )
     options.check()
     checkpoint, source, revision = resolve_checkpoint(ref, store)
     if out is None:
@@ -100,6 +109,8 @@ def quantize_int4_stream(
             "scheme": result.index["scheme"]["name"],
             "group_size": group_size,
             "embeddings": embeddings,
+            "sensitive": sensitive,
+            "calibration": calibration.name if calibration else None,
             "model_type": result.index["config"].get("model_type"),
             "params": result.index["totals"]["params"],
         },

@@ -226,14 +226,14 @@ def test_bad_options_are_one_line_exit_2(checkpoint, isolated_home, args, expect
 
 def test_group_size_not_dividing_the_row_is_handled(runner, tmp_path):
     weight = torch.randn(16, 100) * 0.1  # 100 columns: 3 full groups of 32 and one of 4
-    source = make_checkpoint(tmp_path / "odd", {"model.layers.0.mlp.down_proj.weight": weight})
+    source = make_checkpoint(tmp_path / "odd", {"model.layers.0.mlp.up_proj.weight": weight})
     out = tmp_path / "art"
     _quantize(runner, source, "--out", out, "--group-size", "32")
     from gemmactl.formats.int4.reader import open_artifact
 
     artifact = open_artifact(out)
-    record = artifact.record("model.layers.0.mlp.down_proj.weight")
+    record = artifact.record("model.layers.0.mlp.up_proj.weight")
     assert record.scheme == "int4" and record.shape == (16, 100)
     assert artifact.packed(record).parts["scales"].shape == (16, 4)
-    decoded = artifact.load_tensor("model.layers.0.mlp.down_proj.weight")
+    decoded = artifact.load_tensor("model.layers.0.mlp.up_proj.weight")
     assert decoded.shape == (16, 100) and float((decoded - weight).abs().max()) < 0.05

@@ -48,7 +48,7 @@ def _summary_text(s: dict) -> str:
     lines = [
         s["path"],
         f"format {s['format']} v{s['version']} · model {s['model_type']} · source {source.get('model', '?')}{revision}",
-        f"scheme {scheme.get('name')} (embeddings {scheme.get('embeddings')}) · {s['shards']} shard(s) · "
+        f"scheme {scheme.get('name')} ({_policy(scheme)}) · {s['shards']} shard(s) · "
         f"{s['tensors']} tensors in {s['records']} records",
         f"size {human_bytes(s['size_bytes'])} · bf16 {human_bytes(s['bf16_bytes'])} · "
         f"{s['compression']:.2f}× smaller · {s['bits_per_param']:.2f} bits/param",
@@ -69,3 +69,16 @@ def _summary_text(s: dict) -> str:
     ]
     lines.append(table(rows, ["LAYER", "TENSORS", "EXPERTS", "PARAMS", "STORED", "BF16", "RATIO", "SCHEMES"]))
     return "\n".join(lines)
+
+
+def _policy(scheme: dict) -> str:
+    """The scheme's policies in words; artifacts written before a policy existed simply lack its key."""
+    words = [f"embeddings {scheme.get('embeddings')}"]
+    if "sensitive" in scheme:
+        words.append(f"sensitive {scheme['sensitive']}")
+    if "fit" in scheme:
+        words.append(f"fit {scheme['fit']}")
+    calibration = scheme.get("calibration")
+    if calibration:
+        words.append(f"calibrated on {calibration.get('text')} ({calibration.get('tokens')} tokens)")
+    return ", ".join(words)

@@ -18,13 +18,14 @@ MODES = {"int4_stream": "--int4-stream", "gguf": "--gguf TYPE"}
 @click.option("--gguf", "gguf_type", metavar="TYPE", help="Write a GGUF of this llama.cpp type (Q4_K_M, Q8_0, Q6_K, Q5_K_M, Q4_0, IQ4_XS, F16, BF16 …) with the active build.")
 @click.option("--out", type=click.Path(path_type=Path), metavar="PATH", help="Output folder (--int4-stream) or .gguf file (--gguf); default: in the store.")
 @click.option("--imatrix", type=click.Path(dir_okay=False, exists=True, path_type=Path), metavar="FILE", help="--gguf: an importance matrix for llama-quantize.")
-@click.option("--calibration", type=click.Path(dir_okay=False, exists=True, path_type=Path), metavar="TEXTFILE", help="--gguf: compute an importance matrix from this text first.")
+@click.option("--calibration", type=click.Path(dir_okay=False, exists=True, path_type=Path), metavar="TEXTFILE", help="Calibrate on this text first: --gguf computes llama.cpp's importance matrix; --int4-stream weighs each int4 group's fit by activation importance (loads the model once).")
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="32", show_default=True, help="Weights per int4 group (one fp16 scale and zero each).")
 @click.option("--shard-size", default="1GiB", show_default=True, metavar="SIZE", help="Largest shard file, e.g. 512MiB or 2GB.")
 @click.option("--embeddings", type=click.Choice(["int4", "int8", "bf16"]), default="int8", show_default=True, help="How to store the token and per-layer embedding tables.")
+@click.option("--sensitive", type=click.Choice(["int8", "int4"]), default="int8", show_default=True, help="How to store the attention v_proj and MLP down_proj weights (--int4-stream).")
 @click.option("--force", is_flag=True, help="Replace an existing artifact, or start an unfinished one over.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object (no progress bar).")
-def quantize(model, int4_stream, gguf_type, out, imatrix, calibration, group_size, shard_size, embeddings, force, json_mode):
+def quantize(model, int4_stream, gguf_type, out, imatrix, calibration, group_size, shard_size, embeddings, sensitive, force, json_mode):
     """Quantize a checkpoint into an artifact a gemmactl backend runs.
 
     MODEL is a Hugging Face checkpoint directory (config.json + safetensors) or the store name of
@@ -37,14 +38,15 @@ def quantize(model, int4_stream, gguf_type, out, imatrix, calibration, group_siz
     Examples:
       gemmactl quantize google/gemma-4-E2B-it --gguf Q4_K_M
       gemmactl quantize ./gemma-3-270m --int4-stream --group-size 32
+      gemmactl quantize ./gemma-3-270m --int4-stream --calibration notes.txt
       gemmactl quantize google/gemma-4-E4B-it --int4-stream --shard-size 2GiB
     """
     mode = _chosen_mode(int4_stream=int4_stream, gguf=gguf_type is not None)
     if mode == "gguf":
         _quantize_gguf(model, gguf_type, out, imatrix, calibration, force, json_mode)
         return
-    if imatrix or calibration:
-        raise click.UsageError("--imatrix and --calibration go with --gguf", ctx=click.get_current_context())
+    if imatrix:
+        raise click.UsageError("--imatrix goes with --gguf (--int4-stream takes --calibration TEXTFILE)", ctx=click.get_current_context())
     from gemmactl.quantize import parse_size, quantize_int4_stream
     from gemmactl.store import Store
 
@@ -56,6 +58,8 @@ def quantize(model, int4_stream, gguf_type, out, imatrix, calibration, group_siz
             group_size=int(group_size),
             shard_size=parse_size(shard_size),
             embeddings=embeddings,
+            sensitive=sensitive,
+            calibration=calibration,
             force=force,
             progress=progress,
         )
@@ -76,7 +80,11 @@ def quantize(model, int4_stream, gguf_type, out, imatrix, calibration, group_siz
         return
     shards = result.shards_written + result.shards_reused
     reused = f", {result.shards_reused} kept from an earlier run" if result.shards_reused else ""
-    click.echo(f"Quantized {model} → {artifact.name} ({artifact.extra['scheme']}, embeddings {embeddings})")
+    calibrated = f", calibrated on {calibration.name}" if calibration else ""
+    click.echo(
+        f"Quantized {model} → {artifact.name} ({artifact.extra['scheme']}, embeddings {embeddings}, "
+        f"sensitive {sensitive}{calibrated})"
+    )
     click.echo(f"  {artifact.path}")
     click.echo(
         f"  {human_bytes(report['size_bytes'])} in {shards} shard{'s' if shards != 1 else ''}{reused}, "

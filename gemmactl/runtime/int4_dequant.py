@@ -21,8 +21,12 @@ DEBUG_HINT = "Rerun with --debug for details."
 _DETOKENIZE_CONTEXT = 4  # prompt tokens decoded with the first new token, so its leading space survives
 
 
-def build_model(artifact, dtype=None):
-    """A transformers causal LM from the artifact's config, holding its dequantized weights."""
+def build_model(artifact, dtype=None, device="cpu"):
+    """A transformers causal LM from the artifact's config, holding its weights dequantized on device.
+
+    Parameters are created on the meta device (no allocation, no random init); each weight is
+    copied packed to the device, dequantized there and assigned as the parameter itself.
+    """
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -34,9 +38,12 @@ def build_model(artifact, dtype=None):
     # Parameters on the meta device; buffers (rotary tables, embedding scales) built for real.
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = artifact.state_dict(dtype=dtype)
+    state = artifact.state_dict(device=device, dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    del state
     model.tie_weights()
+    if str(device) != "cpu":
+        model.to(device)  # the buffers; the parameters are there already
     still_meta = [name for name, param in model.named_parameters() if param.is_meta]
     if unexpected or still_meta:
         raise BackendError(

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from gemmactl.errors import InvalidOptionError
+from gemmactl.formats.int4.calibrate import Calibration
 from gemmactl.formats.int4.checkpoint import Checkpoint, SourceTensor
 from gemmactl.formats.int4.spec import (
     ALIGNMENT,
@@ -20,6 +21,7 @@ from gemmactl.formats.int4.spec import (
     FORMAT_VERSION,
     GROUP_SIZES,
     HEADER_SIZE,
+    SENSITIVE_POLICIES,
     TensorRecord,
     align_up,
     layout_parts,
@@ -31,23 +33,37 @@ from gemmactl.formats.int4.spec import (
 EMBEDDING = re.compile(r"(?:^|\.)embed_tokens(?:_per_layer)?\.weight$")
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 EXPERTS = ".experts."
+# The tensors a 4-bit error hurts most, kept at int8 by `--sensitive int8`: the attention value
+# projection and the MLP down projection (llama.cpp's Q4_K_M gives these two 6 bits in about half the layers).
+SENSITIVE = re.compile(r"(?:^|\.)(?:v_proj|down_proj)\.weight$")
 SMALL_NUMEL = 1024  # 2-D tensors (or experts) smaller than this are kept as they are
 MIN_SHARD_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
 class QuantizeOptions:
-    """How to quantize: int4 group size, shard size in bytes, and the embeddings policy."""
+    """How to quantize: int4 group size, shard size, embeddings and sensitive-tensor policies, fit, calibration.
+
+    search: fit each int4 group's (scale, zero) by a squared-error search (False: plain min/max).
+    calibration: weigh that error by activation importance measured on this text (calibrate.py).
+    """
 
     group_size: int = 32
     shard_size: int = 1 << 30
     embeddings: str = "int8"
+    sensitive: str = "int8"
+    search: bool = True
+    calibration: Calibration | None = None
 
     def check(self) -> None:
         if self.group_size not in GROUP_SIZES:
             raise InvalidOptionError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}")
         if self.embeddings not in EMBEDDING_POLICIES:
             raise InvalidOptionError(f"--embeddings must be one of {', '.join(EMBEDDING_POLICIES)}, got {self.embeddings}")
+        if self.sensitive not in SENSITIVE_POLICIES:
+            raise InvalidOptionError(f"--sensitive must be one of {', '.join(SENSITIVE_POLICIES)}, got {self.sensitive}")
+        if self.calibration is not None and not self.search:
+            raise InvalidOptionError("calibration weighs the int4 search; it needs search=True")
         if self.shard_size < MIN_SHARD_SIZE:
             raise InvalidOptionError(f"--shard-size must be at least 1MiB, got {self.shard_size} bytes")
 
@@ -58,6 +74,9 @@ class QuantizeOptions:
             "weights": "int4",
             "group_size": self.group_size,
             "embeddings": self.embeddings,
+            "sensitive": self.sensitive,
+            "fit": "mse-search" if self.search else "minmax",
+            "calibration": self.calibration.describe() if self.calibration else None,
             "scale_dtype": "float16",
             "zero_dtype": "float16",
             "int8": "row-wise symmetric, float16 scale",
@@ -115,6 +134,8 @@ def _records_for(tensor: SourceTensor, options: QuantizeOptions) -> list[TensorR
             for expert in range(shape[0])
         ]
     if len(shape) == 2 and tensor.numel >= SMALL_NUMEL and "router" not in tensor.name:
+        if options.sensitive == "int8" and SENSITIVE.search(tensor.name):
+            return [TensorRecord(tensor.name, shape, tensor.dtype, "int8", None, layer)]
         return [TensorRecord(tensor.name, shape, tensor.dtype, "int4", options.group_size, layer)]
     return [TensorRecord(tensor.name, shape, tensor.dtype, "raw", None, layer)]
 

@@ -60,6 +60,11 @@ def quantize_checkpoint(
     layout = plan_layout(checkpoint, options)
     out_dir = Path(out_dir).expanduser().absolute()
     reusable = prepare_output(out_dir, layout, force)
+    importance = {}
+    if options.calibration is not None and len(reusable) < len(layout.shards):
+        from gemmactl.formats.int4.calibrate import collect_importance
+
+        importance = collect_importance(checkpoint.path, options.calibration)
     by_name = {tensor.name: tensor for tensor in checkpoint.tensors}
     total = sum(_source_bytes(by_name[r.name], r) for r in layout.records)
     done = 0
@@ -80,7 +85,9 @@ def quantize_checkpoint(
             writer.open_shard(name)
             for record in records:
                 writer.begin_record(record)
-                encode_record(reader, by_name[record.name], record, writer)
+                encode_record(
+                    reader, by_name[record.name], record, writer, search=options.search, importance=importance.get(record.name)
+                )
                 writer.end_record()
                 done += _source_bytes(by_name[record.name], record)
                 report(done, total)
@@ -188,11 +195,25 @@ def _source_bytes(tensor: SourceTensor, record: TensorRecord) -> int:
     return record.numel * DTYPE_SIZES[tensor.dtype]
 
 
-def encode_record(reader: TensorSource, tensor: SourceTensor, record: TensorRecord, writer: Int4ShardWriter) -> None:
-    """Read the record's rows from the checkpoint a block at a time, encode them and write the parts."""
+def encode_record(
+    reader: TensorSource,
+    tensor: SourceTensor,
+    record: TensorRecord,
+    writer: Int4ShardWriter,
+    *,
+    search: bool = True,
+    importance=None,
+) -> None:
+    """Read the record's rows from the checkpoint a block at a time, encode them and write the parts.
+
+    search: fit int4 groups by squared-error search; importance: [C] weights of that error.
+    """
     import torch
 
-    from gemmactl.formats.int4.quant import quantize_int4, quantize_int8_rows
+    from gemmactl.formats.int4.quant import quantize_int4, quantize_int4_search, quantize_int8_rows
+
+    if importance is not None and (record.scheme != "int4" or tuple(importance.shape) != (record.shape[-1],)):
+        importance = None  # only int4 uses it, and only when it matches the columns
 
     rows = record.shape[0] if record.shape else 1
     row_numel = max(1, record.numel // max(rows, 1))
@@ -206,7 +227,10 @@ def encode_record(reader: TensorSource, tensor: SourceTensor, record: TensorReco
             data = block.to(getattr(torch, record.dtype)).contiguous().reshape(-1)
             writer.write_part("data", start * row_numel * DTYPE_SIZES[record.dtype], _bytes(data))
         elif record.scheme == "int4":
-            packed, scales, zeros = quantize_int4(block, record.group_size)
+            if search:
+                packed, scales, zeros = quantize_int4_search(block, record.group_size, importance)
+            else:
+                packed, scales, zeros = quantize_int4(block, record.group_size)
             _check_fp16(record, scales, zeros)
             groups = padded_cols(record.shape[1], record.group_size) // record.group_size
             writer.write_part("qweight", start * groups * record.group_size // 2, _bytes(packed))

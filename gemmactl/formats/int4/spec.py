@@ -24,6 +24,7 @@ _HEADER = struct.Struct("<8sIIII32s")
 
 GROUP_SIZES = (32, 64, 128)
 EMBEDDING_POLICIES = ("int4", "int8", "bf16")
+SENSITIVE_POLICIES = ("int4", "int8")  # what v_proj and down_proj weights become
 SCHEMES = ("int4", "int8", "raw")
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
