@@ -111,10 +111,71 @@ def test_bench_against_llama_server_concurrency_and_warm_prefix(runner, built_ho
     for level in levels.values():
         assert set(level["latency_s"]) == {"p50", "p90", "p99"} and level["aggregate_tok_s"]["median"] > 0
         assert level["server"]["command"][level["server"]["command"].index("-np") + 1] == str(level["concurrency"])
+    # Without --draft nothing speculates and nothing reports it.
+    assert not any("draft_tokens" in row for row in data["runs"] + data["summary"] + data["concurrency"])
+    assert "-md" not in data["targets"]["llama-server"]["command"] and "speculative" not in data["manifest"]["settings"]
     # Every server this run started is gone.
     pids = [data["targets"]["llama-server"]["pid"]] + [c["server"]["pid"] for c in data["concurrency"]]
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
     assert list((out / "logs").glob("llama-server-np4-*.log"))
+
+
+@pytest.mark.real_model
+def test_bench_speculative_llama_server_reports_acceptance(runner, built_home, embedded_gguf, tmp_path):
+    # The model is its own draft here (the only pair at hand): nearly every drafted token is accepted.
+    out = tmp_path / "out"
+    result = invoke(runner, [
+        "bench", "--model", str(embedded_gguf), "--prompts", "short", "--max-tokens", "8", "--repeat", "1",
+        "--compare", "llama-server", "--concurrency", "2", "--draft", str(embedded_gguf), "--draft-max", "4",
+        "--timeout", "300", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output + (result.stderr or "")
+    data = json.loads((out / "result.json").read_text())
+
+    spec = data["manifest"]["settings"]["speculative"]
+    assert spec["draft"] == str(embedded_gguf) and spec["draft_max"] == 4 and spec["draft_max_from"] == "--draft-max"
+    servers = [data["targets"]["llama-server"]["command"]] + [c["server"]["command"] for c in data["concurrency"]]
+    for command in servers:
+        assert command[command.index("-md") + 1] == str(embedded_gguf)
+        assert command[command.index("--spec-draft-n-max") + 1] == "4"
+        assert command[command.index("--spec-type") + 1] == "draft-simple"
+
+    server_runs = [row for row in data["runs"] if row["target"] == "llama-server"]
+    assert len(server_runs) == 2
+    for row in server_runs:
+        assert 0 <= row["draft_accepted"] <= row["draft_tokens"] and row["draft_tokens"] > 0
+        assert 0.0 <= row["acceptance_rate"] <= 1.0
+        assert row["acceptance_rate"] == row["draft_accepted"] / row["draft_tokens"]
+    assert not any("draft_tokens" in row for row in data["runs"] if row["target"] == "gemmactl")
+
+    overall = next(s for s in data["summary"] if s["target"] == "llama-server" and s["prompt_set"] == "all")
+    assert overall["draft_tokens"] == sum(row["draft_tokens"] for row in server_runs)
+    assert overall["draft_accepted"] == sum(row["draft_accepted"] for row in server_runs)
+    assert 0.5 < overall["acceptance_rate"] <= 1.0
+    assert not any("acceptance_rate" in s for s in data["summary"] if s["target"] == "gemmactl")
+
+    # Whether the speculative greedy text equals gemmactl's plain one is reported, not required.
+    pair = next(c for c in data["comparisons"] if c["prompt_set"] == "all")
+    assert pair["target_speculative"] is True and 0 <= pair["same_text_pairs"] <= pair["pairs"] == 2
+    assert pair["same_text"] == (pair["same_text_pairs"] == pair["pairs"])
+    assert len(pair["first_differences"]) == 2
+
+    (level,) = data["concurrency"]
+    assert level["concurrency"] == 2 and 0 <= level["draft_accepted"] <= level["draft_tokens"]
+    assert level["draft_tokens"] > 0 and 0.0 <= level["acceptance_rate"] <= 1.0
+
+    table = result.stdout
+    assert "Speculative decoding in llama-server" in table
+    line = next(line for line in table.splitlines() if line.strip().startswith("llama-server") and "%" in line)
+    assert f"{overall['acceptance_rate']:.1%}" in line and str(overall["draft_tokens"]) in line
+    assert "llama-server, 2 clients" in table and "depends on the model and draft pair" in table
+
+
+@pytest.mark.real_model
+def test_bench_missing_draft_file_is_not_found(runner, model_home, tmp_path):
+    result = invoke(runner, ["bench", "--prompts", "short", "--compare", "llama-server",
+                             "--draft", str(tmp_path / "no-such-draft.gguf")])
+    one_line_error(result, 2, "no such model file", "no-such-draft.gguf")
 
 
 @pytest.mark.real_model
@@ -162,6 +223,9 @@ def test_bench_compare_hf_generate(runner, model_home, gemma3_hf_checkpoint):
     (["--concurrency", "four"], ["--concurrency"]),
     (["--plot"], ["--out"]),
     (["--prompts", "no-such-set"], ["neither a built-in set nor a file"]),
+    (["--draft", "draft.gguf"], ["--draft", "llama-server", "--compare llama-server"]),
+    (["--draft", "draft.gguf", "--compare", "llama-cpp-python"], ["--draft", "--compare llama-server"]),
+    (["--draft-max", "4"], ["--draft-max", "--draft GGUF"]),
 ])
 def test_bad_input_is_one_line_exit_2(runner, args, words):
     one_line_error(invoke(runner, ["bench", *args]), 2, *words)

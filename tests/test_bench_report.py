@@ -92,3 +92,35 @@ def test_plot_is_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = write_plot(recorded_result(), tmp_path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_speculative_counts_per_set_pair_and_table_line():
+    result = recorded_result()
+    drafted = {("short-1", 1): (10, 9), ("code-1", 1): (12, 3), ("short-1", 2): (10, 10), ("code-1", 2): (8, 2)}
+    for row in result["runs"]:
+        if row["target"] == "llama-server":
+            row["draft_tokens"], row["draft_accepted"] = drafted[(row["prompt"], row["repeat"])]
+    result["summary"] = runner._summaries(result["runs"])
+    result["comparisons"] = runner._comparisons(result["runs"], ["llama-server"])
+    result["manifest"]["settings"]["speculative"] = {"draft": "/m/draft.gguf", "draft_max": 8, "draft_min": 0,
+                                                     "draft_max_from": "the recipe default"}
+    summary = {(s["target"], s["prompt_set"]): s for s in result["summary"]}
+    assert summary[("llama-server", "short")]["acceptance_rate"] == pytest.approx(19 / 20)
+    assert summary[("llama-server", "all")]["draft_tokens"] == 40
+    assert summary[("llama-server", "all")]["acceptance_rate"] == pytest.approx(24 / 40)
+    assert "acceptance_rate" not in summary[("gemmactl", "all")]
+    by_set = {c["prompt_set"]: c for c in result["comparisons"]}
+    assert by_set["short"]["target_speculative"] and by_set["short"]["same_text_pairs"] == 2
+    assert by_set["code"]["same_text_pairs"] == 0 and by_set["code"]["first_differences"] == [0, 0]
+
+    text = render_text(sections(result))
+    assert "Speculative decoding in llama-server" in text and "/m/draft.gguf" in text
+    lines = {line.split()[1]: line for line in text.splitlines() if line.strip().startswith("llama-server") and "%" in line}
+    assert "95.0%" in lines["short"] and "yes" in lines["short"]
+    assert "25.0%" in lines["code"] and "0 of 2 pairs" in lines["code"]
+    assert "60.0%" in lines["all"]
+
+
+def test_no_speculative_table_without_a_draft():
+    text = render_text(sections(recorded_result()))
+    assert "Speculative" not in text and "acceptance" not in text

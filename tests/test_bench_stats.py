@@ -145,6 +145,15 @@ def test_ratios_pair_by_pair_and_summary():
         stats.pair_ratios([1.0, 2.0], [1.0])
 
 
+def test_acceptance_rate_is_pooled_over_tokens_not_averaged_over_runs():
+    assert stats.acceptance_rate(8, 6) == 0.75
+    assert stats.acceptance_rate(0, 0) is None  # nothing drafted: no rate, not 0 or 1
+    rows = [{"draft_tokens": 10, "draft_accepted": 10}, {"draft_tokens": 30, "draft_accepted": 6}]
+    # Pooled 16 / 40 = 0.4, not the mean of the per-run rates (1.0 and 0.2 → 0.6).
+    assert stats.draft_totals(rows) == {"draft_tokens": 40, "draft_accepted": 16, "acceptance_rate": 0.4}
+    assert stats.draft_totals([])["acceptance_rate"] is None
+
+
 def test_aggregate_throughput_spans_first_start_to_last_token():
     timings = [RequestTiming(0.0, 0.1, 1.0, 5, 10), RequestTiming(0.5, 0.7, 2.0, 5, 30)]
     assert stats.aggregate_tok_s(timings) == pytest.approx(40 / 2.0)

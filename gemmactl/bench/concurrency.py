@@ -7,7 +7,7 @@ import time
 from typing import Callable
 
 from gemmactl.bench.prompts import BenchPrompt
-from gemmactl.bench.stats import aggregate_tok_s, percentiles, request_metrics, summary
+from gemmactl.bench.stats import aggregate_tok_s, draft_totals, percentiles, request_metrics, summary
 from gemmactl.bench.targets import WARMUP_TOKENS, LlamaServerTarget, TargetSettings
 from gemmactl.errors import ServerError
 
@@ -38,6 +38,7 @@ def run_level(
     finally:
         target.close()
     metrics = [request_metrics(reply.timing) for reply in replies]
+    speculative = draft_totals([reply.extra for reply in replies]) if target.speculative else {}
     return {
         "target": "llama-server",
         "concurrency": clients,
@@ -49,6 +50,7 @@ def run_level(
         "ttft_s": percentiles([m["ttft_s"] for m in metrics]),
         "decode_tok_s": percentiles([m["decode_tok_s"] for m in metrics]),
         "generated_tokens": sum(m["generated_tokens"] for m in metrics),
+        **speculative,
         **memory,
         "server": info,
     }

@@ -40,6 +40,8 @@ def sections(result: dict) -> list[Section]:
     for comparison in result["comparisons"]:
         if comparison["prompt_set"] == "all":
             out.append(_ratio(comparison))
+    if result["manifest"]["settings"].get("speculative"):
+        out.append(_speculative(result))
     if result["warm_prefix_summary"]:
         out.append(_warm(result))
     if result["concurrency"]:
@@ -96,6 +98,39 @@ def _ratio(c: dict) -> Section:
     notes = [f"{c['pairs']} interleaved pairs; same greedy text in every pair: {'yes' if c['same_text'] else 'no'}; "
              f"same prompt and generated token counts: {'yes' if c['same_tokens'] else 'no'}."]
     return Section(f"gemmactl ÷ {c['target']}, pair by pair", ["metric", "min", "median", "max"], rows, notes)
+
+
+def _acceptance(row: dict) -> str:
+    rate = row.get("acceptance_rate")
+    return "-" if rate is None else f"{rate:.1%}"
+
+
+def _speculative(result: dict) -> Section:
+    spec = result["manifest"]["settings"]["speculative"]
+    same = {c["prompt_set"]: c for c in result["comparisons"] if c.get("target_speculative")}
+    rows = []
+    single_set = len({s["prompt_set"] for s in result["summary"]}) <= 2
+    for s in result["summary"]:
+        if "acceptance_rate" not in s or (single_set and s["prompt_set"] == "all"):
+            continue
+        c = same.get(s["prompt_set"])
+        text = "-" if c is None else "yes" if c["same_text"] else f"{c['same_text_pairs']} of {c['pairs']} pairs"
+        rows.append([s["target"], s["prompt_set"], str(s["runs"]), str(s["draft_tokens"]), str(s["draft_accepted"]),
+                     _acceptance(s), text])
+    for c in result["concurrency"]:
+        if "acceptance_rate" in c:
+            rows.append([f"{c['target']}, {c['concurrency']} clients", "-", str(c["requests"]), str(c["draft_tokens"]),
+                         str(c["draft_accepted"]), _acceptance(c), "-"])
+    notes = [
+        f"draft {spec['draft']}, at most {spec['draft_max']} tokens per step ({spec['draft_max_from']}); "
+        "acceptance = accepted ÷ drafted tokens, as llama-server counts them (draft_n_accepted ÷ draft_n).",
+        "The rate depends on the model and draft pair and on the prompts. Same text: the speculative greedy "
+        "text equals gemmactl's plain one (batched verification can flip a near tie).",
+    ]
+    if not rows:
+        notes.insert(0, "llama-server did not run (see Setup), so nothing was drafted.")
+    return Section("Speculative decoding in llama-server (acceptance rate)",
+                   ["target", "prompts", "runs", "drafted", "accepted", "acceptance", "same text as gemmactl"], rows, notes)
 
 
 def _warm(result: dict) -> Section:
@@ -198,7 +233,7 @@ def write_plot(result: dict, out_dir: Path) -> Path:
         x = range(len(names))
         left.bar([i - 0.2 for i in x], [s["decode_tok_s"]["median"] for s in overall], 0.4, label="decode only")
         left.bar([i + 0.2 for i in x], [s["wall_tok_s"]["median"] for s in overall], 0.4, label="wall clock")
-        left.set_xticks(list(x), names)
+        left.set_xticks(list(x), names, rotation=20, ha="right")
         left.legend()
         left.set_title("tok/s per target (median)")
     left.set_ylabel("tokens / s")
@@ -207,12 +242,13 @@ def write_plot(result: dict, out_dir: Path) -> Path:
         x = range(len(warm))
         right.bar([i - 0.2 for i in x], [w["cold_ttft_s"]["median"] * 1000 for w in warm], 0.4, label="cold")
         right.bar([i + 0.2 for i in x], [w["warm_ttft_s"]["median"] * 1000 for w in warm], 0.4, label="warm")
-        right.set_xticks(list(x), [w["target"] for w in warm])
+        right.set_xticks(list(x), [w["target"] for w in warm], rotation=20, ha="right")
         right.set_title(f"TTFT, {warm[0]['prompt_tokens']}-token prompt: cold vs warm")
         right.legend()
     else:
         overall = [s for s in result["summary"] if s["prompt_set"] == "all"]
         right.bar([s["target"] for s in overall], [s["ttft_s"]["median"] * 1000 for s in overall])
+        right.tick_params(axis="x", labelrotation=20)
         right.set_title("TTFT per target (median)")
     right.set_ylabel("ms")
     model = result["manifest"]["model"]

@@ -37,6 +37,8 @@ class BenchConfig:
     vram_bytes: int | None = None
     context: int | None = None
     timeout_s: float = 600.0
+    draft: str | None = None  # speculative decoding in llama-server with this draft model
+    draft_max: int | None = None
     flags: dict = field(default_factory=dict)
     argv: list[str] = field(default_factory=list)
 
@@ -69,7 +71,13 @@ def check_config(config: BenchConfig) -> list[BenchPrompt]:
     """Refuse bad input before anything loads; returns the prompts."""
     if config.max_tokens < 1 or config.repeat < 1:
         raise InvalidOptionError("--max-tokens and --repeat must be at least 1")
-    parse_compare(config.compare)
+    compare = parse_compare(config.compare)
+    if config.draft_max is not None and not config.draft:
+        raise InvalidOptionError("--draft-max sets how many tokens the draft model proposes, and there is no --draft",
+                                 hint="Pass --draft GGUF as well, or leave --draft-max out.")
+    if config.draft and "llama-server" not in compare and max(config.concurrency) == 1:
+        raise InvalidOptionError("--draft runs speculative decoding in llama-server, and this run starts none",
+                                 hint="Add --compare llama-server (or --concurrency 1,N).")
     return load_prompts(config.prompts)
 
 
@@ -87,6 +95,7 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
     # Greedy and unpenalised on every side, so that all targets can produce the same text.
     request = replace(spec.request, repeat_penalty=1.0, seed=0)
     model_path = resolve_run_model(spec, store)
+    speculative_args, speculative = _speculative(config, spec.tier, store)
     backend_name = model_backend(model_path, spec.tier.backend)
     needs_server = any(level > 1 for level in config.concurrency)
     server_binary = _server_binary(store, required=needs_server)
@@ -100,7 +109,7 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
         context=backend.context_size, threads=getattr(backend, "threads", None) or _threads(),
         extra_buffers=getattr(backend, "extra_buffers", True), n_gpu_layers=-1, log_dir=log_dir,
         server_binary=server_binary, hf_model=hf_model,
-        vram_bytes=config.vram_bytes,
+        vram_bytes=config.vram_bytes, speculative_args=speculative_args,
     )
     targets = [GemmactlTarget(backend, request)]
     skipped = []
@@ -144,6 +153,7 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
             "temperature": 0.0, "repeat_penalty": 1.0, "max_tokens": config.max_tokens, "repeat": config.repeat,
             "warmup": f"one untimed {WARMUP_TOKENS}-token request per target after loading",
             "tier": spec.tier.name, "backend": backend_name, "prompts": [p.name for p in prompts],
+            **({"speculative": speculative} if speculative else {}),
         },
         flags=config.flags, argv=config.argv, load_at_start=load_at_start,
     )
@@ -159,6 +169,29 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
         "skipped": skipped,
         "checks": _checks(runs),
     }
+
+
+def _speculative(config: BenchConfig, tier, store: Store) -> tuple[tuple[str, ...], dict | None]:
+    """llama-server's flags for --draft, built as `gemmactl serve` builds a tier's, and what they mean."""
+    if not config.draft:
+        return (), None
+    from gemmactl.models import resolve_model_ref
+    from gemmactl.recipes import Speculative
+    from gemmactl.server.service import speculative_args as serve_speculative
+
+    draft_path = resolve_model_ref(config.draft, store)
+    if not draft_path.is_file():
+        raise InvalidOptionError(f"--draft {config.draft} is an int4-stream artifact; llama-server drafts with a GGUF file",
+                                 hint="Pass a .gguf file or the store name of one, with the model's vocabulary.")
+    recipe = tier.speculative or Speculative()
+    draft_max = config.draft_max or recipe.draft_max
+    chosen = Speculative(kind="draft", draft_model=str(draft_path), draft_max=draft_max,
+                         draft_min=min(recipe.draft_min, draft_max))
+    args, _ = serve_speculative(replace(tier, speculative=chosen), store, True)
+    origin = "--draft-max" if config.draft_max else ("the tier's speculative.draft_max" if tier.speculative
+                                                     else "the recipe default")
+    return args, {"draft": str(draft_path), "draft_max": chosen.draft_max, "draft_min": chosen.draft_min,
+                  "draft_max_from": origin, "server_args": list(args)}
 
 
 def _load_fitting(backend_name, model_path, tier_context, request, prompts, config: BenchConfig, store: Store):
@@ -249,7 +282,8 @@ def _interleaved(targets, prompts: list[BenchPrompt], config: BenchConfig, progr
                 rows.append({
                     "target": target.name, "prompt_set": prompt.set, "prompt": prompt.name, "repeat": repeat,
                     "load_s": target.load_s, **sample.metrics,
-                    "engine_decode_tok_s": sample.engine_decode_tok_s, **target.memory(), "text": sample.text,
+                    "engine_decode_tok_s": sample.engine_decode_tok_s, **sample.extra, **target.memory(),
+                    "text": sample.text,
                 })
     return rows
 
@@ -311,6 +345,7 @@ def _summaries(runs: list[dict]) -> list[dict]:
          "prompt_tokens": stats.summary([r["prompt_tokens"] for r in rows]),
          "generated_tokens": stats.summary([r["generated_tokens"] for r in rows]),
          **{metric: stats.summary([r[metric] for r in rows]) for metric in SUMMARY_METRICS},
+         **(stats.draft_totals(rows) if "draft_tokens" in rows[0] else {}),
          "peak_rss_bytes": max((r["peak_rss_bytes"] or 0) for r in rows), "memory_scope": rows[0]["memory_scope"]}
         for (target, prompt_set), rows in sorted(groups.items(), key=lambda item: (item[0][1] == "all", _order(runs, item[0])))
     ]
@@ -333,13 +368,20 @@ def _comparisons(runs: list[dict], others: list[str]) -> list[dict]:
         for prompt_set in sets:
             chosen = [(a, b) for a, b in pairs if prompt_set == "all" or b["prompt_set"] == prompt_set]
             ratios = {m: stats.pair_ratios([a[m] for a, _ in chosen], [b[m] for _, b in chosen]) for m in RATIO_METRICS}
-            out.append({
+            row = {
                 "target": name, "prompt_set": prompt_set, "pairs": len(chosen),
                 "ratio_gemmactl_over_target": {m: {**stats.summary(v), "pairs": v} for m, v in ratios.items() if v},
                 "same_text": all(a["text"] == b["text"] for a, b in chosen),
                 "same_tokens": all(a["prompt_tokens"] == b["prompt_tokens"] and a["generated_tokens"] == b["generated_tokens"]
                                    for a, b in chosen),
-            })
+            }
+            if chosen and "draft_tokens" in chosen[0][1]:
+                # The target decoded speculatively: is its greedy text still gemmactl's plain one? Reported,
+                # not required: verifying a batch of drafted tokens can flip a near tie.
+                row["target_speculative"] = True
+                row["same_text_pairs"] = sum(a["text"] == b["text"] for a, b in chosen)
+                row["first_differences"] = [_first_difference(a["text"], b["text"]) for a, b in chosen]
+            out.append(row)
     return out
 
 

@@ -107,3 +107,15 @@ def aggregate_tok_s(timings: Sequence[RequestTiming]) -> float:
         return 0.0
     span = max(t.end for t in timings) - min(t.start for t in timings)
     return sum(t.generated_tokens for t in timings) / span if span > 0 else 0.0
+
+
+def acceptance_rate(drafted: int, accepted: int) -> float | None:
+    """Accepted ÷ drafted tokens of speculative decoding; None when nothing was drafted."""
+    return accepted / drafted if drafted > 0 else None
+
+
+def draft_totals(rows: Sequence[dict]) -> dict:
+    """Drafted and accepted tokens summed over the rows, and the pooled acceptance rate."""
+    drafted = sum(row["draft_tokens"] for row in rows)
+    accepted = sum(row["draft_accepted"] for row in rows)
+    return {"draft_tokens": drafted, "draft_accepted": accepted, "acceptance_rate": acceptance_rate(drafted, accepted)}

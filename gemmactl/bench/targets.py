@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gemmactl.bench.stats import RequestTiming, request_metrics
+from gemmactl.bench.stats import RequestTiming, acceptance_rate, request_metrics
 from gemmactl.runtime.base import GenerationRequest, GenerationStats, peak_rss_bytes, stream_generate
 
 COMPARE_TARGETS = ("llama-cpp-python", "llama-server", "hf-generate", "accelerate")
@@ -39,6 +39,7 @@ class TargetSettings:
     server_binary: Path | None = None
     hf_model: Path | None = None
     vram_bytes: int | None = None
+    speculative_args: tuple[str, ...] = ()  # llama-server's draft-model flags (--draft); empty: no speculation
 
 
 @dataclass
@@ -169,24 +170,30 @@ class LlamaServerTarget:
         self.server = LlamaServer(
             settings.server_binary, settings.model_path, threads=settings.threads, context=settings.context,
             parallel=parallel, n_gpu_layers=settings.n_gpu_layers if settings.n_gpu_layers >= 0 else 999,
-            repack=settings.extra_buffers, log_dir=settings.log_dir,
+            repack=settings.extra_buffers, log_dir=settings.log_dir, extra_args=settings.speculative_args,
         )
+        self.speculative = bool(settings.speculative_args)
         self.server.__enter__()
         self.load_s = self.server.load_s
 
     def generate(self, prompt: str, max_tokens: int, cache: str = "off", timeout: float = 300) -> Sample:
         reply = self.server.complete(prompt, max_tokens, cache_prompt=cache != "off", timeout=timeout)
+        extra = {}
+        if self.speculative:
+            extra = {"draft_tokens": reply.draft_tokens, "draft_accepted": reply.draft_accepted,
+                     "acceptance_rate": acceptance_rate(reply.draft_tokens, reply.draft_accepted)}
         return Sample(
             request_metrics(reply.timing), reply.text, reply.timing,
-            engine_decode_tok_s=reply.engine_decode_tok_s, cached_tokens=reply.cached_tokens,
+            engine_decode_tok_s=reply.engine_decode_tok_s, cached_tokens=reply.cached_tokens, extra=extra,
         )
 
     def memory(self) -> dict:
         return {"peak_rss_bytes": self.server.peak_rss_bytes(), "memory_scope": "peak RSS of the llama-server process"}
 
     def info(self) -> dict:
-        return {"command": self.server.command, "log": str(self.server.log_path), "parallel": self.server.parallel,
+        info = {"command": self.server.command, "log": str(self.server.log_path), "parallel": self.server.parallel,
                 "pid": self.server.pid}
+        return {**info, "speculative": True} if self.speculative else info
 
     def close(self) -> None:
         self.server.__exit__(None, None, None)

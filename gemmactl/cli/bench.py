@@ -24,6 +24,11 @@ from gemmactl.cli.output import emit_json, progress_enabled
               help="Also measure llama-cpp-python, llama-server, hf-generate or accelerate, interleaved (repeatable).")
 @click.option("--hf-model", "hf_model", metavar="DIR|NAME", help="Hugging Face checkpoint of the same model, for hf-generate and accelerate.")
 @click.option("--vram", "vram", metavar="SIZE", help="VRAM cap for accelerate's device_map=\"auto\", e.g. 4GiB (default: the whole GPU).")
+@click.option("--draft", "draft", metavar="GGUF",
+              help="Draft model (store name or .gguf path, same vocabulary) for speculative decoding in llama-server; "
+                   "reports the acceptance rate. Needs --compare llama-server or --concurrency above 1.")
+@click.option("--draft-max", "draft_max", type=click.IntRange(min=1), metavar="N",
+              help="Most tokens the draft proposes per step (default: the tier's speculative draft_max, else 8).")
 @click.option("--context", type=click.IntRange(min=128), metavar="N", help="Context size (default: the tier's, raised to fit the prompts).")
 @click.option("--timeout", "timeout", type=click.FloatRange(min=1), default=600, show_default=True, metavar="S",
               help="Time limit in seconds for each concurrency level.")
@@ -31,18 +36,20 @@ from gemmactl.cli.output import emit_json, progress_enabled
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), metavar="DIR", help="Write result.json (and plot.png) here.")
 @click.option("--plot", is_flag=True, help="With --out: also write plot.png (tok/s vs concurrency, cold vs warm TTFT).")
 def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_prefix, compare, hf_model, vram,
-          context, timeout, json_mode, out, plot):
+          draft, draft_max, context, timeout, json_mode, out, plot):
     """Measure decode-only and wall-clock speed, optionally side by side.
 
     Every run reports load time, time to first token, prefill, decode-only and wall-clock tok/s
     and peak memory, with a manifest (versions, build, machine, model sha256, flags). --compare
     runs alternatives on the same model and settings, interleaved, and prints ratios pair by pair.
+    With --draft, llama-server decodes speculatively and each run reports its acceptance rate.
 
     \b
     Examples:
       gemmactl bench --max-tokens 64 --repeat 5
       gemmactl bench --compare llama-cpp-python --compare llama-server --warm-prefix
       gemmactl bench --concurrency 1,4,16 --out results --plot
+      gemmactl bench --compare llama-server --draft draft.gguf --draft-max 8
     """
     from gemmactl.bench.report import plot_in_child, render_text, sections, write_result
     from gemmactl.bench.runner import BenchConfig, check_config, parse_concurrency, run_bench
@@ -60,7 +67,7 @@ def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_pr
     config = BenchConfig(
         recipe=recipe, model=model, tier=tier, prompts=prompts, max_tokens=max_tokens,
         concurrency=parse_concurrency(concurrency), repeat=repeat, warm_prefix=warm_prefix, compare=list(compare),
-        hf_model=hf_model, vram_bytes=vram_bytes, context=context, timeout_s=timeout,
+        hf_model=hf_model, vram_bytes=vram_bytes, draft=draft, draft_max=draft_max, context=context, timeout_s=timeout,
         flags=dict(ctx.params), argv=_command_args(ctx),
     )
     check_config(config)

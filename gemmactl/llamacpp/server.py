@@ -49,6 +49,16 @@ class ServerReply:
     def engine_decode_tok_s(self) -> float | None:
         return self.final.get("timings", {}).get("predicted_per_second")
 
+    @property
+    def draft_tokens(self) -> int:
+        """Tokens the draft model proposed for this request (speculative decoding; 0 without it)."""
+        return int(self.final.get("timings", {}).get("draft_n", 0))
+
+    @property
+    def draft_accepted(self) -> int:
+        """Of those, the tokens the model accepted."""
+        return int(self.final.get("timings", {}).get("draft_n_accepted", 0))
+
 
 class LlamaServer:
     """llama-server for one GGUF with N slots, each holding `context` tokens; stopped on exit.

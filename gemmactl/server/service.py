@@ -76,7 +76,7 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
         try:
             path = resolve_model_ref(tier.model, store, missing_hint=hint.strip() or None)
             kind = model_backend(path, tier.backend)
-            spec_args, spec_note = _speculative(tier, store, speculative and kind == "llamacpp")
+            spec_args, spec_note = speculative_args(tier, store, speculative and kind == "llamacpp")
         except GemmactlError as exc:
             unavailable[name] = f"{exc.message}.{hint or (' ' + exc.hint if exc.hint else '')}"
             continue
@@ -99,7 +99,7 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
     return list(plans.values()), unavailable, warnings
 
 
-def _speculative(tier: Tier, store: Store, allowed: bool) -> tuple[tuple[str, ...], str]:
+def speculative_args(tier: Tier, store: Store, allowed: bool) -> tuple[tuple[str, ...], str]:
     """llama-server flags for the tier's speculative decoding, and how /metrics describes it."""
     spec = tier.speculative
     if spec is None or not spec.enabled or not allowed:
