@@ -357,3 +357,29 @@ def _running(pid: int | None) -> bool:
     from gemmactl.server.registry import pid_alive
 
     return pid_alive(pid)
+
+
+@pytest.mark.real_model
+def test_int4_tier_is_served_in_process(gemma3_hf_checkpoint, isolated_home, runner):
+    """An int4-stream tier runs on the int4 backend inside the server, one request at a time."""
+    from conftest import invoke
+
+    made = invoke(runner, ["quantize", str(gemma3_hf_checkpoint), "--int4-stream", "--json"])
+    assert made.exit_code == 0, made.stderr
+    name = json.loads(made.stdout)["artifact"]["name"]
+    recipe = (
+        "name: serve-int4\n"
+        "tiers:\n"
+        f"  deep:\n    model: {name}\n    backend: int4\n    context: 512\n"
+        "    sampling: {temperature: 0.0, repeat_penalty: 1.0, max_tokens: 12}\n"
+    )
+    service = start(isolated_home, recipe)
+    try:
+        lane = service.lanes["deep"]
+        assert lane.backend.info.kind == "in-process int4" and lane.backend.info.parallel == 1
+        status, _, body = post(f"{service.url}/v1/completions",
+                               {"model": "deep", "prompt": "Question: What is the capital of France?\nAnswer:"})
+        assert status == 200 and "Paris" in body["choices"][0]["text"]
+        assert lane.snapshot()["completed"] == 1
+    finally:
+        service.close()
