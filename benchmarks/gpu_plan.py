@@ -124,7 +124,7 @@ def main() -> None:
     (args.out / "gpu_plan.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     print()
-    print(f"| model (Q4_K_M) | cap | plan args | plan GPU (predicted) | predicted tok/s | verify: measured tok/s | verify peak GPU | llama-bench tg128, plan | peak | llama-bench tg128, --fit | peak |")
+    print("| model (Q4_K_M) | cap | plan args | plan GPU (predicted) | predicted tok/s | verify: measured tok/s | verify peak GPU | llama-bench tg128, plan | peak | llama-bench tg128, --fit | peak |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
     for r in results:

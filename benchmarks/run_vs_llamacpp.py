@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 PROMPT = "The history of the city of Paris begins"
 

@@ -17,7 +17,6 @@ import http.client
 import json
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -100,7 +99,7 @@ def recipe_yaml(args) -> str:
 def warm_prefix(url: str, repeat: int) -> dict:
     from gemmactl.bench.prompts import long_conversation
 
-    cold, warm, cached, prompt_tokens = [], [], [], []
+    cold, warm, cached = [], [], []
     for r in range(repeat):
         prefix = long_conversation(variant=1000 + r)  # a conversation no cache has seen
         first = complete(url, "fast", prefix, 8)
