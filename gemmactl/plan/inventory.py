@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gemmactl.errors import InvalidOptionError, NotACheckpointError, UnsupportedModelError
+from gemmactl.formats.int4.checkpoint import read_safetensors_header, safetensors_files
 from gemmactl.plan.model_shape import ModelShape, shape_from_config, shape_from_gguf, tensors_from_config
 from gemmactl.plan.quant import check_quant, intended_bytes
 
@@ -185,29 +185,6 @@ _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9
                30: "IQ4_XS", 32: "BF16"}
 
 
-def read_safetensors_header(file: Path) -> dict:
-    """The JSON header of a safetensors file (8-byte little-endian length, then JSON)."""
-    try:
-        with open(file, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            if length > 100_000_000:
-                raise ValueError("header too large")
-            return json.loads(handle.read(length))
-    except (OSError, ValueError, struct.error) as exc:
-        raise NotACheckpointError(f"{file} is not a readable safetensors file ({exc})") from exc
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise NotACheckpointError(f"{index} is not a valid safetensors index ({exc})") from exc
-        return [path / name for name in sorted(set(weight_map.values()))]
-    return sorted(path.glob("*.safetensors"))
-
-
 def _read_config(path: Path) -> dict:
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -226,7 +203,7 @@ def inventory_from_checkpoint(path: Path, quant: str | None) -> Inventory:
     """
     config = _read_config(path)
     shape = shape_from_config(config)
-    files = _safetensors_files(path)
+    files = safetensors_files(path)
     quant = check_quant(quant) if quant else None
     if not files and quant is None:
         raise InvalidOptionError(
@@ -238,7 +215,7 @@ def inventory_from_checkpoint(path: Path, quant: str | None) -> Inventory:
         for file in files:
             if not file.is_file():
                 raise NotACheckpointError(f"the checkpoint index lists {file.name}, which is missing")
-            for name, info in read_safetensors_header(file).items():
+            for name, info in read_safetensors_header(file)[0].items():
                 if name == "__metadata__":
                     continue
                 start, end = info["data_offsets"]

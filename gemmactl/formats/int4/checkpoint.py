@@ -58,7 +58,7 @@ class Checkpoint:
         return self.path.name if _SNAPSHOT.match(self.path.name) and self.path.parent.name == "snapshots" else None
 
 
-def _read_header(file: Path) -> tuple[dict, bytes]:
+def read_safetensors_header(file: Path) -> tuple[dict, bytes]:
     """(parsed header, raw header bytes) of a safetensors file."""
     try:
         with open(file, "rb") as handle:
@@ -71,7 +71,8 @@ def _read_header(file: Path) -> tuple[dict, bytes]:
         raise NotACheckpointError(f"{file} is not a readable safetensors file ({exc})") from exc
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names, else every *.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -88,7 +89,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
     if not path.is_dir():
         raise NotACheckpointError(f"{path} is not a checkpoint directory")
     config_file = path / "config.json"
-    files = _safetensors_files(path)
+    files = safetensors_files(path)
     if not config_file.is_file() or not files:
         has_bin = any(path.glob("*.bin"))
         what = "no config.json" if not config_file.is_file() else "no .safetensors weights"
@@ -108,7 +109,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
     for file in files:
         if not file.is_file():
             raise NotACheckpointError(f"the checkpoint index lists {file.name}, which is missing")
-        header, raw = _read_header(file)
+        header, raw = read_safetensors_header(file)
         digest.update(file.name.encode() + b"\0" + str(file.stat().st_size).encode() + b"\0" + raw)
         for name, info in header.items():
             if name == "__metadata__":
