@@ -22,20 +22,21 @@ import time
 from pathlib import Path
 
 
-def used_mib() -> int:
+def _smi_mib(field: str) -> int:
+    """One memory figure of GPU 0 in MiB from nvidia-smi (0 without it)."""
     if not shutil.which("nvidia-smi"):
         return 0
-    out = subprocess.run(["nvidia-smi", "--id=0", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+    out = subprocess.run(["nvidia-smi", "--id=0", f"--query-gpu=memory.{field}", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True).stdout.strip()
     return int(float(out.splitlines()[0])) if out else 0
+
+
+def used_mib() -> int:
+    return _smi_mib("used")
 
 
 def free_mib() -> int:
-    if not shutil.which("nvidia-smi"):
-        return 0
-    out = subprocess.run(["nvidia-smi", "--id=0", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True).stdout.strip()
-    return int(float(out.splitlines()[0])) if out else 0
+    return _smi_mib("free")
 
 
 def run_sampled(cmd: list[str], log: Path) -> tuple[subprocess.CompletedProcess, int]:
