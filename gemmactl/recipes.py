@@ -78,7 +78,7 @@ class Tier:
     description: str = ""
     make: list[str] = field(default_factory=list)
     needs: str = ""
-    parallel: int = 4  # concurrent slots when served (llama-server -np); in-process backends run one at a time
+    parallel: int | str = 4  # concurrent slots when served (llama-server -np), or "auto" (sized by the planner); in-process backends run one at a time
     speculative: Speculative | None = None
 
 
@@ -285,8 +285,10 @@ class _Reader:
             changes["make"] = self.string_list(values["make"])
         if "needs" in values:
             changes["needs"] = self.string(values["needs"])
-        if "parallel" in values:
-            changes["parallel"] = self.integer(values["parallel"], 1, f"an integer from 1 to {MAX_PARALLEL}")
+        if "parallel" in values and _scalar(values["parallel"].value) == "auto":
+            changes["parallel"] = "auto"
+        elif "parallel" in values:
+            changes["parallel"] = self.integer(values["parallel"], 1, f"an integer from 1 to {MAX_PARALLEL}, or auto")
             if changes["parallel"] > MAX_PARALLEL:
                 raise self.error(
                     values["parallel"].value,

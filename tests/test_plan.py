@@ -193,3 +193,22 @@ def test_hardware_profile_and_warning_over_the_gpu(runner, model_home):
     assert json.loads(result.stdout)["hardware"]["name"] == "desktop-4g"
     spark = json.loads(invoke(runner, ["plan", "embedded", "--hardware", "dgx-spark", "--json"]).stdout)
     assert spark["hardware"]["unified_memory"] and spark["llama_cpp_args"]["-ngl"] == 19
+
+
+def test_auto_parallel_slots_follow_the_memory(embedded_gguf, isolated_home):
+    """`parallel: auto`: as many slots as keep the whole model on the GPU (or, without one, in RAM)."""
+    from gemmactl.plan.auto import AUTO_PARALLEL_MAX, auto_parallel
+
+    roomy, why = auto_parallel(embedded_gguf, 4096, machine=fake_machine(), gpu_capable=True, free_vram=8 * GiB)
+    assert roomy == AUTO_PARALLEL_MAX and "fit the 8.0 GiB free on the GPU" in why
+    counts = [auto_parallel(embedded_gguf, 8192, machine=fake_machine(), gpu_capable=True, free_vram=v * MiB)[0]
+              for v in (900, 1100, 1400, 2000)]
+    assert counts == sorted(counts) and counts[0] < counts[-1]  # more VRAM never gives fewer slots
+    small, _ = auto_parallel(embedded_gguf, 8192, machine=fake_machine(), gpu_capable=True, free_vram=1100 * MiB)
+    assert small < AUTO_PARALLEL_MAX
+    cramped, why = auto_parallel(embedded_gguf, 4096, machine=fake_machine(), gpu_capable=True, free_vram=10 * MiB)
+    assert cramped == 1 and "does not fit" in why
+    cpu, why = auto_parallel(embedded_gguf, 4096, machine=Machine("cpu", 2, [], 32 * GiB, "x86_64"))
+    assert cpu == AUTO_PARALLEL_MAX and "of RAM" in why
+    tight_ram, _ = auto_parallel(embedded_gguf, 32768, machine=Machine("cpu", 2, [], 2 * GiB, "x86_64"))
+    assert 1 <= tight_ram < AUTO_PARALLEL_MAX

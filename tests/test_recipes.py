@@ -268,6 +268,9 @@ def test_parallel_and_speculative_parse():
     assert tier.speculative.spec_type == "draft-simple"
     assert parse_recipe(MINIMAL).tiers["fast"].speculative is None
     assert parse_recipe(MINIMAL + "    speculative: {type: mtp}\n").tiers["fast"].speculative.spec_type == "draft-mtp"
+    assert parse_recipe(MINIMAL + "    parallel: auto\n").tiers["fast"].parallel == "auto"
+    with pytest.raises(RecipeError, match="from 1 to 256, or auto"):
+        parse_recipe(MINIMAL + "    parallel: many\n")
 
 
 def test_error_carries_hint():

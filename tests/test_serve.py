@@ -382,3 +382,17 @@ def test_int4_tier_is_served_in_process(gemma3_hf_checkpoint, isolated_home, run
         assert lane.snapshot()["completed"] == 1
     finally:
         service.close()
+
+
+def test_parallel_auto_takes_its_slots_from_the_planner(serve_home, embedded_gguf):
+    from gemmactl.plan.auto import AUTO_PARALLEL_MAX
+    from gemmactl.recipes import parse_recipe
+    from gemmactl.server.service import plan_backends
+    from gemmactl.store import Store
+
+    recipe = parse_recipe(recipe_text(embedded_gguf).replace("parallel: 4", "parallel: auto"))
+    plans, unavailable, _ = plan_backends(recipe, Store(serve_home), speculative=False, require_build=True)
+    assert not unavailable
+    for plan in plans:
+        assert plan.kind == "llama-server" and 1 <= plan.parallel <= AUTO_PARALLEL_MAX
+        assert plan.slots_note.startswith(f"parallel auto: {plan.parallel} slot")

@@ -102,3 +102,54 @@ def auto_placement(
         server_args += ["-ot", value]
     server_args += ["--fit", "off"]  # llama-server would otherwise re-fit what it was told
     return AutoPlacement(True, reason, plan.placement.n_gpu_layers, overrides, tuple(server_args))
+
+
+AUTO_PARALLEL_MAX = 16  # slots `parallel: auto` gives at most: past 16, batching gains little here
+
+
+def auto_parallel(
+    model_path: Path,
+    context: int,
+    *,
+    max_slots: int = AUTO_PARALLEL_MAX,
+    machine: Machine | None = None,
+    gpu_capable: bool | None = None,
+    free_vram: int | None = None,
+    store=None,
+) -> tuple[int, str]:
+    """How many llama-server slots of `context` tokens a GGUF tier gets when its recipe says `auto`.
+
+    With a usable GPU: the most slots (up to max_slots) whose KV cache still lets the whole model
+    stay on the GPU — more slots than that would push layers off it and slow every request; one
+    slot when even one does not fit whole. Without one: the most slots whose KV cache fits in RAM
+    beside the weights. Reads headers only; returns (slots, the reason in one line).
+    """
+    from gemmactl.plan.inventory import inventory_from_gguf
+    from gemmactl.plan.profile import DEFAULT_PROFILE, cached_profile, gpu_free_bytes, load_profile
+    from gemmactl.plan.solver import Budget, Placement, evaluate, fits
+    from gemmactl.store import Store
+
+    machine = machine or detect_machine()
+    store = store or Store()
+    inventory = inventory_from_gguf(Path(model_path))
+    n = inventory.shape.n_layers
+    profile = cached_profile(store.home / "plan", machine) or load_profile(DEFAULT_PROFILE)
+    ram = machine.ram_bytes or profile.ram_bytes
+    profile = replace(profile, ram_bytes=ram)
+    if gpu_capable is None:
+        gpu_capable = bool(machine.gpus) and gpu_capable_library(store)
+    if machine.gpus and gpu_capable:
+        gpu = machine.gpus[0]
+        vram = free_vram if free_vram is not None else (gpu_free_bytes(gpu.index) or gpu.memory_bytes)
+        budget, placement, where = Budget(vram, ram), Placement(n + 1), f"the {format_size(vram)} free on the GPU"
+    else:
+        budget, placement, where = Budget(0, ram), Placement(0), f"{format_size(ram)} of RAM"
+    best = 0
+    for slots in range(1, max_slots + 1):
+        if not fits(evaluate(inventory, profile, budget, placement, context, slots)):
+            break
+        best = slots
+    if best == 0:
+        return 1, f"parallel auto: 1 slot (the whole model with one {context}-token slot does not fit {where})"
+    plural = "slot" if best == 1 else "slots"
+    return best, f"parallel auto: {best} {plural} of {context} tokens fit {where} with the whole model"

@@ -27,6 +27,7 @@ log = logging.getLogger("gemmactl.serve")
 
 DEFAULT_QUEUE = 512
 DEFAULT_PORT = 8080
+DEFAULT_SLOTS = 4  # a `parallel: auto` tier whose model the planner cannot read
 
 
 @dataclass
@@ -55,6 +56,7 @@ class BackendPlan:
     parallel: int
     spec_args: tuple[str, ...] = ()
     spec_note: str = "off"
+    slots_note: str = ""  # why a `parallel: auto` tier got its slots
 
 
 def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_build: bool
@@ -80,8 +82,11 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
         except GemmactlError as exc:
             unavailable[name] = f"{exc.message}.{hint or (' ' + exc.hint if exc.hint else '')}"
             continue
+        slots, slots_note = tier.parallel, ""
         if kind == "llamacpp" and server_binary is not None:
-            key = ("llama-server", str(path), tier.context, tier.parallel, spec_args)
+            if slots == "auto":
+                slots, slots_note = auto_slots(path, tier.context, store)
+            key = ("llama-server", str(path), tier.context, slots, spec_args)
             kind = "llama-server"
         else:
             if kind == "llamacpp":
@@ -94,9 +99,19 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
         if key in plans:
             plans[key].tiers.append(name)
         else:
-            parallel = tier.parallel if kind == "llama-server" else 1
-            plans[key] = BackendPlan(key, kind, path, [name], tier.context, parallel, spec_args, spec_note)
+            parallel = slots if kind == "llama-server" else 1
+            plans[key] = BackendPlan(key, kind, path, [name], tier.context, parallel, spec_args, spec_note, slots_note)
     return list(plans.values()), unavailable, warnings
+
+
+def auto_slots(model_path: Path, context: int, store: Store) -> tuple[int, str]:
+    """The slots of a `parallel: auto` tier, sized by the planner (DEFAULT_SLOTS when it cannot tell)."""
+    try:
+        from gemmactl.plan.auto import auto_parallel
+
+        return auto_parallel(Path(model_path), context, store=store)
+    except (GemmactlError, OSError, ValueError) as exc:
+        return DEFAULT_SLOTS, f"parallel auto: {DEFAULT_SLOTS} slots (the planner could not read the model: {exc})"
 
 
 def speculative_args(tier: Tier, store: Store, allowed: bool) -> tuple[tuple[str, ...], str]:
@@ -218,6 +233,8 @@ class Service:
             from gemmactl.llamacpp.build import active_build
 
             placement, note = placement_args(plan.model_path, plan.context, plan.parallel, self.store)
+            if plan.slots_note:
+                note = f"{note}; {plan.slots_note}"
             build = active_build(self.store)
             backend = ServerBackend(
                 build.binary("llama-server"), plan.model_path, tiers=plan.tiers, context=plan.context,
