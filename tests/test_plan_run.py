@@ -83,4 +83,4 @@ def test_plan_verify_on_the_embedded_model(runner, model_home):
     assert verify["placement"].startswith("cpu") and verify["n_gpu_layers"] == 0
     assert verify["decode_tokens"] > 10 and verify["measured_decode_tok_s"] > 0 and verify["predicted_decode_tok_s"] > 0
     assert verify["peak_gpu_bytes"] == 0 and verify["within_budget"]
-    assert verify["ratio"] == pytest.approx(verify["measured_decode_tok_s"] / verify["predicted_decode_tok_s"], rel=1e-2)
+    assert verify["ratio"] == pytest.approx(verify["measured_decode_tok_s"] / verify["predicted_decode_tok_s"], abs=1e-3)  # the ratio is kept to 3 decimals

@@ -98,7 +98,8 @@ def build_plan(
     profile, measured, notes, free = choose_profile(hardware, remeasure, store)
     warnings = []
     detected = profile.vram_bytes
-    if vram_bytes is not None and detected and vram_bytes > detected and (free is not None or hardware):
+    if vram_bytes is not None and detected and vram_bytes > detected:
+        # The detected GPU's, or (none detected) the profile's card planned for.
         warnings.append(f"--vram {format_size(vram_bytes)} is more than the {format_size(detected)} the GPU has ({profile.gpu_name})")
     if vram_bytes is None:
         vram_bytes = free if free is not None else profile.vram_bytes
