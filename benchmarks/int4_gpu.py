@@ -59,6 +59,7 @@ import transformers.models.gemma4.modeling_gemma4
 from transformers import AutoModelForCausalLM
 from gemmactl.formats.int4.reader import open_artifact
 from gemmactl.runtime.int4_dequant import build_model
+from gemmactl.runtime.int4_packed import build_packed_model
 DEVICE = {device!r}
 def sync():
     if DEVICE.startswith("cuda"):
@@ -75,6 +76,12 @@ state = artifact.state_dict(device=DEVICE, dtype=torch.bfloat16)
 sync()
 params = sum(t.numel() for t in state.values())
 """,
+    "int4 packed -> HF model": """
+start = time.perf_counter()
+model = build_packed_model(open_artifact(ART), torch.bfloat16, device=DEVICE)
+sync()
+params = sum(p.numel() for p in model.parameters())
+""",
     "int4 -> HF model": """
 start = time.perf_counter()
 model = build_model(open_artifact(ART), torch.bfloat16, device=DEVICE)
@@ -88,6 +95,27 @@ sync()
 params = sum(p.numel() for p in model.parameters())
 """,
 }
+
+# After loading: a first forward pass of 8 tokens (ready = load + it), then greedy decoding of
+# DECODE_TOKENS tokens one at a time over the model's cache (what the int4 backend runs).
+DECODE_TOKENS = 32
+DECODE = f"""
+import inspect
+arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+ids = torch.tensor([[t % model.config.vocab_size for t in (2, 651, 6037, 576, 573, 3413, 603, 235248)]], device=DEVICE)
+with torch.inference_mode():
+    out = model(input_ids=ids, use_cache=True)
+    sync()
+    ready = time.perf_counter() - start
+    tokens = []
+    began = time.perf_counter()
+    for _ in range({DECODE_TOKENS}):
+        cache = out[arg] if arg in out else out.past_key_values
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = model(input_ids=torch.tensor([[tokens[-1]]], device=DEVICE), use_cache=True, **{{arg: cache}})
+    sync()
+    decode_tok_s = {DECODE_TOKENS} / (time.perf_counter() - began)
+"""
 
 QUANTIZE_BASELINE = "import torch, safetensors.torch, gemmactl.cli.quantize, gemmactl.quantize, gemmactl.formats.int4.quantize"
 
@@ -155,8 +183,10 @@ def reload(checkpoint: Path, artifact: Path, device: str, repeats: int) -> dict:
     def child(name: str) -> list[str]:
         code = PREAMBLE.format(device=device) + f"ART = {str(artifact)!r}\nCKPT = {str(checkpoint)!r}\n"
         code += LOADERS[name] + "\nloaded = time.perf_counter() - start\n"
+        code += DECODE if name != "int4 -> device (tensors)" else "ready = None; decode_tok_s = None; tokens = []\n"
         code += "peak = torch.cuda.max_memory_allocated() if DEVICE.startswith('cuda') else 0\n"
-        code += "print(json.dumps({'load_s': loaded, 'params': params, 'peak_device_bytes': peak}))\n"
+        code += ("print(json.dumps({'load_s': loaded, 'ready_s': ready, 'decode_tok_s': decode_tok_s, "
+                 "'tokens': tokens, 'params': params, 'peak_device_bytes': peak}))\n")
         return [sys.executable, "-c", "import json\n" + code]
 
     for name in LOADERS:  # warm the page cache for both files
@@ -166,9 +196,16 @@ def reload(checkpoint: Path, artifact: Path, device: str, repeats: int) -> dict:
         for name in LOADERS:
             wall, rss, stdout = run_child(child(name))
             runs[name].append(json.loads(stdout.strip().splitlines()[-1]) | {"wall_s": wall, "peak_rss": rss})
+    def median_of(rows, key):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
     result = {
         name: {
             "load_s_median": statistics.median(r["load_s"] for r in rows),
+            "ready_s_median": median_of(rows, "ready_s"),
+            "decode_tok_s_median": median_of(rows, "decode_tok_s"),
+            "tokens": rows[0]["tokens"],
             "load_s_min": min(r["load_s"] for r in rows),
             "load_s_max": max(r["load_s"] for r in rows),
             "params": rows[0]["params"],
@@ -181,7 +218,8 @@ def reload(checkpoint: Path, artifact: Path, device: str, repeats: int) -> dict:
     hf = result["HF bf16 -> device"]["load_s_median"]
     for row in result.values():
         row["speedup_vs_hf_bf16"] = hf / row["load_s_median"]
-    return {"device": device, "repeats": repeats, "variants": result}
+    packed, dense = result["int4 packed -> HF model"]["tokens"], result["int4 -> HF model"]["tokens"]
+    return {"device": device, "repeats": repeats, "variants": result, "packed_tokens_equal_dense": packed == dense}
 
 
 def gib(n: float) -> str:
@@ -209,15 +247,19 @@ def table(reports: list[dict]) -> str:
             lines += [
                 f"Cached reload onto {r['device']} (median of {r['repeats']}, fresh process each, interleaved):",
                 "",
-                "| variant | load (median, min–max) | vs HF bf16 | peak device memory | peak RSS |",
-                "| --- | --- | --- | --- | --- |",
+                "| variant | load (median, min–max) | vs HF bf16 | ready (+ 8-token forward) | decode tok/s "
+                "| peak device memory | peak RSS |",
+                "| --- | --- | --- | --- | --- | --- | --- |",
             ]
             for name, v in r["variants"].items():
+                ready = f"{v['ready_s_median']:.2f} s" if v.get("ready_s_median") is not None else "—"
+                decode = f"{v['decode_tok_s_median']:.1f}" if v.get("decode_tok_s_median") is not None else "—"
                 lines.append(
                     f"| {name} | {v['load_s_median']:.2f} s ({v['load_s_min']:.2f}–{v['load_s_max']:.2f}) | "
-                    f"{v['speedup_vs_hf_bf16']:.2f}× | {gib(v['peak_device_bytes'])} | {gib(v['peak_rss_median'])} |"
+                    f"{v['speedup_vs_hf_bf16']:.2f}× | {ready} | {decode} | {gib(v['peak_device_bytes'])} | "
+                    f"{gib(v['peak_rss_median'])} |"
                 )
-            lines.append("")
+            lines += ["", f"Packed greedy tokens equal the dense int4 model's: {r.get('packed_tokens_equal_dense')}", ""]
     return "\n".join(lines)
 
 

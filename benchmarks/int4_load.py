@@ -7,12 +7,20 @@ its imports), interleaved across variants, with the page cache warm (one untimed
                     against the peak RSS of a process that only imports the same modules
   int4 packed       open the artifact and map every record's packed parts, touching every page:
                     what a packed-weight runtime needs before its first token
-  int4 → HF f32/bf16  open, dequantize and assign into a transformers model (the `int4` backend today)
+  int4 packed → HF bf16  the `int4` backend with weights="packed": a transformers model whose
+                    linear layers and embedding tables keep the mapped parts, dequantized per call
+  int4 → HF f32/bf16  open, dequantize and assign into a transformers model (weights="dense")
   HF bf16/f32       AutoModelForCausalLM.from_pretrained(CKPT) of the bf16 safetensors checkpoint
 
 For the transformers variants it also times the first forward pass (8 tokens) after loading:
 from_pretrained maps the safetensors file and reads weights lazily, on first use, so load time
-alone flatters it; load + first forward is "ready and computing".
+alone flatters it; load + first forward is "ready and computing". Then greedy decoding of
+--decode-tokens tokens over the model's cache gives decode tok/s, and the tokens themselves (the
+packed and dense int4 models must agree).
+
+Every child imports torch, transformers, accelerate and the model's transformers module before
+the clock starts (--cold-imports leaves the model module inside the timed part, as a fresh
+`gemmactl run` pays it).
 
     python benchmarks/int4_load.py --checkpoint DIR [--group-size 32] [--repeats 5] [--threads N] [--out FILE]
 
@@ -46,6 +54,13 @@ for record in artifact.records:
     for part in artifact.packed(record).parts.values():
         flat = part.reshape(-1).view(torch.uint8)
         touched += int(flat[:: mmap.PAGESIZE].sum())  # read one byte per page: every page in memory
+""",
+    "int4 packed -> HF bf16": """
+import time
+from gemmactl.formats.int4.reader import open_artifact
+from gemmactl.runtime.int4_packed import build_packed_model
+start = time.perf_counter()
+model = build_packed_model(open_artifact(PATH), torch.bfloat16)
 """,
     "int4 -> HF f32": """
 import time
@@ -92,17 +107,37 @@ def run_child(args: list[str], env: dict | None = None) -> tuple[float, int, str
     return wall, usage.ru_maxrss * 1024, out
 
 
+PREIMPORT = {"model_module": ""}
+
+
 def python_child(code: str) -> list[str]:
     # The libraries every variant needs are imported before the clock starts, for all alike.
-    return [sys.executable, "-c", "import torch, transformers, accelerate, gemmactl.formats.int4.reader\n" + code]
+    head = "import torch, transformers, accelerate, gemmactl.formats.int4.reader\n" + PREIMPORT["model_module"]
+    return [sys.executable, "-c", head + code]
 
 
-def loader_code(name: str, artifact: Path, checkpoint: Path) -> str:
+DECODE = """
+import inspect, json
+arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+with torch.inference_mode():
+    out = model(input_ids=torch.tensor([[2, 651, 6037, 576, 573, 3413, 603, 235248]]), use_cache=True)
+    ready = time.perf_counter() - start
+    tokens, began = [], time.perf_counter()
+    for _ in range(DECODE_TOKENS):
+        cache = out[arg] if arg in out else out.past_key_values
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), use_cache=True, **{arg: cache})
+    decode_tok_s = DECODE_TOKENS / (time.perf_counter() - began) if DECODE_TOKENS else None
+print(json.dumps({"load_s": loaded, "ready_s": ready, "decode_tok_s": decode_tok_s, "tokens": tokens}))
+"""
+
+
+def loader_code(name: str, artifact: Path, checkpoint: Path, decode_tokens: int) -> str:
     body = LOADERS[name].replace("PATH", repr(str(artifact))).replace("CKPT", repr(str(checkpoint)))
     body += "\nloaded = time.perf_counter() - start\n"
-    if name != "int4 packed":
-        body += "with torch.inference_mode():\n    model(torch.tensor([[2, 651, 6037, 576, 573, 3413, 603, 235248]]))\n"
-    return body + "print(loaded, time.perf_counter() - start)\n"
+    if name == "int4 packed":
+        return body + "import json\nprint(json.dumps({'load_s': loaded}))\n"
+    return body + DECODE.replace("DECODE_TOKENS", str(decode_tokens))
 
 
 def main() -> None:
@@ -112,6 +147,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quantize-repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every child (default: torch's own)")
+    parser.add_argument("--decode-tokens", type=int, default=16, help="greedy tokens decoded after loading")
+    parser.add_argument("--cold-imports", action="store_true",
+                        help="time the import of the model's transformers module inside each load")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.threads:
@@ -121,6 +159,9 @@ def main() -> None:
     from gemmactl.formats.int4.layout import tensor_layer
 
     source = open_checkpoint(args.checkpoint)
+    if not args.cold_imports:
+        model_type = json.loads((args.checkpoint / "config.json").read_text())["model_type"]
+        PREIMPORT["model_module"] = f"import transformers.models.{model_type.split('_')[0]}.modeling_{model_type.split('_')[0]}\n"
     source_bytes = sum(t.numel * {"bfloat16": 2, "float16": 2, "float32": 4}[t.dtype] for t in source.tensors)
     layers: dict = {}
     for t in source.tensors:
@@ -155,18 +196,23 @@ def main() -> None:
         print(json.dumps(report["quantize"]), file=sys.stderr)
 
         timings: dict[str, list] = {name: [] for name in LOADERS}
+        def code(name: str) -> list[str]:
+            return python_child(loader_code(name, artifact, args.checkpoint, args.decode_tokens))
+
         for name in LOADERS:  # warm the page cache for both files
-            run_child(python_child(loader_code(name, artifact, args.checkpoint)))
+            run_child(code(name))
         for _ in range(args.repeats):
             for name in LOADERS:
-                wall, rss, stdout = run_child(python_child(loader_code(name, artifact, args.checkpoint)))
-                load_s, ready_s = map(float, stdout.strip().splitlines()[-1].split())
-                timings[name].append({"load_s": load_s, "load_forward_s": ready_s, "wall_s": wall, "peak_rss": rss})
+                wall, rss, stdout = run_child(code(name))
+                row = json.loads(stdout.strip().splitlines()[-1])
+                timings[name].append({"load_forward_s": row.get("ready_s"), **row, "wall_s": wall, "peak_rss": rss})
         report["reload"] = {
             name: {
                 "load_s_median": statistics.median(r["load_s"] for r in rows),
                 "load_s_min": min(r["load_s"] for r in rows),
-                "load_forward_s_median": statistics.median(r["load_forward_s"] for r in rows),
+                "load_forward_s_median": statistics.median(r["load_forward_s"] for r in rows) if rows[0].get("ready_s") else None,
+                "decode_tok_s_median": statistics.median(r["decode_tok_s"] for r in rows) if rows[0].get("decode_tok_s") else None,
+                "tokens": rows[0].get("tokens"),
                 "peak_rss_median": statistics.median(r["peak_rss"] for r in rows),
                 "runs": rows,
             }
@@ -178,6 +224,9 @@ def main() -> None:
         report["ready_ratio_vs_hf_bf16"] = {
             name: hf_ready / v["load_forward_s_median"] for name, v in report["reload"].items() if name != "int4 packed"
         }
+        report["packed_tokens_equal_dense"] = (
+            report["reload"]["int4 packed -> HF bf16"]["tokens"] == report["reload"]["int4 -> HF bf16"]["tokens"]
+        )
     report["load_avg_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     if args.out:

@@ -1,9 +1,11 @@
-"""The "int4" backend, first form: an int4-stream artifact dequantized into a transformers model on CPU.
+"""The "int4" backend: an int4-stream artifact run by a transformers model.
 
-The model is built with empty (meta) parameters from the config in the artifact's index, then
-takes the dequantized weights with `load_state_dict(assign=True)`: no random init, no second
-copy. Generation is a plain token-by-token loop over the model's KV cache. The int4 runtime
-(kernels on packed weights, expert streaming) replaces this later behind the same protocol.
+The model is built with empty (meta) parameters from the config in the artifact's index. Its
+weights then either become dense parameters, dequantized once at load (`weights="dense"`: the
+fastest decoding, the CPU default), or stay packed and are dequantized at every call
+(`weights="packed"`, gemmactl/runtime/int4_packed.py: a load that reads almost nothing and a
+quarter of the memory, the default on a GPU). Both give the same logits, bit for bit.
+Generation is a plain token-by-token loop over the model's KV cache.
 """
 
 from __future__ import annotations
@@ -21,12 +23,10 @@ DEBUG_HINT = "Rerun with --debug for details."
 _DETOKENIZE_CONTEXT = 4  # prompt tokens decoded with the first new token, so its leading space survives
 
 
-def build_model(artifact, dtype=None, device="cpu"):
-    """A transformers causal LM from the artifact's config, holding its weights dequantized on device.
-
-    Parameters are created on the meta device (no allocation, no random init); each weight is
-    copied packed to the device, dequantized there and assigned as the parameter itself.
-    """
+def empty_model(artifact, dtype=None):
+    """(model, dtype): a transformers causal LM from the artifact's config with its parameters on
+    the meta device (no allocation, no random init) and its buffers (rotary tables, embedding
+    scales) built for real on the CPU; dtype defaults to the config's."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -35,15 +35,29 @@ def build_model(artifact, dtype=None, device="cpu"):
     model_type = config_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **config_dict)
     dtype = dtype or getattr(torch, str(config_dict.get("dtype") or config_dict.get("torch_dtype") or "bfloat16"))
-    # Parameters on the meta device; buffers (rotary tables, embedding scales) built for real.
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, dtype
+
+
+def build_model(artifact, dtype=None, device="cpu"):
+    """A transformers causal LM from the artifact's config, holding its weights dequantized on device.
+
+    Parameters are created on the meta device; each weight is copied packed to the device,
+    dequantized there and assigned as the parameter itself.
+    """
+    model, dtype = empty_model(artifact, dtype)
     state = artifact.state_dict(device=device, dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     del state
     model.tie_weights()
     if str(device) != "cpu":
         model.to(device)  # the buffers; the parameters are there already
+    return checked(model, artifact, unexpected)
+
+
+def checked(model, artifact, unexpected):
+    """The model in eval mode, once every parameter has a weight and no tensor was left over."""
     still_meta = [name for name, param in model.named_parameters() if param.is_meta]
     if unexpected or still_meta:
         raise BackendError(
@@ -75,23 +89,61 @@ class IncrementalDetokenizer:
         return ""
 
 
+WEIGHTS = ("auto", "dense", "packed")
+
+
+def resolve_device(device: str | None) -> str:
+    """"auto"/None → cuda when torch sees a GPU, else cpu; anything else as given."""
+    import torch
+
+    if device in (None, "", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 class Int4DequantBackend:
-    """One int4-stream artifact, dequantized on CPU, generating token by token."""
+    """One int4-stream artifact in a transformers model, generating token by token.
+
+    weights: "dense" (dequantize once at load), "packed" (keep packed, dequantize per call) or
+    "auto" (packed on a GPU, dense on the CPU); environment GEMMACTL_INT4_WEIGHTS overrides
+    "auto". device: "auto" (a GPU when torch sees one) or a torch device; environment
+    GEMMACTL_INT4_DEVICE overrides "auto".
+    """
 
     name = "int4"
 
-    def __init__(self, model_path: str, *, context_size: int = 4096, n_threads: int | None = None, dtype=None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        context_size: int = 4096,
+        n_threads: int | None = None,
+        dtype=None,
+        weights: str = "auto",
+        device: str = "auto",
+    ):
         """Load the artifact; dtype is the compute dtype (default: the model config's, bfloat16 for
         Gemma; on this CPU it decodes as fast as float32 in half the memory, docs/benchmarks.md)."""
+        import os
+
         import torch
         from transformers import AutoTokenizer
 
         from gemmactl.formats.int4.reader import open_artifact
+        from gemmactl.runtime.int4_packed import build_packed_model
         from gemmactl.runtime.llamacpp import default_threads
 
         self.model_path = str(model_path)
         self.threads = n_threads or default_threads()
         torch.set_num_threads(self.threads)
+        if device == "auto":
+            device = os.environ.get("GEMMACTL_INT4_DEVICE") or "auto"
+        self.device = resolve_device(device)
+        if weights == "auto":
+            weights = os.environ.get("GEMMACTL_INT4_WEIGHTS") or "auto"
+        if weights not in WEIGHTS:
+            raise BackendError(f"unknown int4 weights mode {weights!r}", hint="Use dense, packed or auto.")
+        self.weights = ("packed" if self.device != "cpu" else "dense") if weights == "auto" else weights
         start = time.perf_counter()
         artifact = open_artifact(Path(model_path))
         if not artifact.index.get("tokenizer"):
@@ -99,11 +151,14 @@ class Int4DequantBackend:
                 f"{model_path} has no tokenizer files",
                 hint="Quantize a checkpoint that includes its tokenizer (tokenizer.json, tokenizer_config.json).",
             )
+        build = build_packed_model if self.weights == "packed" else build_model
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            self.model = build_model(artifact, dtype)
+            self.model = build(artifact, dtype, device=self.device)
         except (OSError, ValueError, KeyError) as exc:
             raise BackendError(f"could not load {model_path}: {exc}", hint=DEBUG_HINT) from exc
+        except RuntimeError as exc:  # e.g. no such device, out of device memory
+            raise BackendError(f"could not load {model_path} on {self.device}: {exc}", hint=DEBUG_HINT) from exc
         self.load_s = time.perf_counter() - start
         limit = getattr(self.model.config, "max_position_embeddings", None) or context_size
         self.context_size = min(context_size, limit)
@@ -138,7 +193,7 @@ class Int4DequantBackend:
         generator = torch.Generator().manual_seed(request.seed if request.seed is not None else int(time.time_ns() % 2**63))
         detok = IncrementalDetokenizer(self.tokenizer, prompt.tokens[-_DETOKENIZE_CONTEXT:])
         history = list(prompt.tokens)
-        step_input = torch.tensor([prompt.tokens])  # [1, T] prompt first, then [1, 1] per step
+        step_input = torch.tensor([prompt.tokens], device=self.device)  # [1, T] prompt first, then [1, 1] per step
         cache = None
         with torch.inference_mode():
             for _ in range(request.max_tokens):
@@ -147,13 +202,13 @@ class Int4DequantBackend:
                 except RuntimeError as exc:
                     raise BackendError(f"the model failed while generating: {exc}", hint=DEBUG_HINT) from exc
                 cache = out[self._cache_arg] if self._cache_arg in out else out.past_key_values
-                logits = out.logits[0, -1].float()  # [V]
+                logits = out.logits[0, -1].float().cpu()  # [V]
                 token = sample_token(logits, history, request, generator)
                 if token in self.stop_ids:
                     return
                 history.append(token)
                 yield detok.feed(token)
-                step_input = torch.tensor([[token]])
+                step_input = torch.tensor([[token]], device=self.device)
 
     def engine_timings(self) -> EngineTimings | None:
         return None
