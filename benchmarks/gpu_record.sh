@@ -6,8 +6,10 @@
 #   bash benchmarks/gpu_record.sh plan     # plan --verify at a 4 GiB cap vs llama.cpp's --fit
 #   bash benchmarks/gpu_record.sh bench [gemma3-270m|e2b] [BENCH ARGS]   # gemmactl bench, every target
 #   bash benchmarks/gpu_record.sh serve    # benchmarks/serve_bench.py on the E2B-shaped model
+#   bash benchmarks/gpu_record.sh scaling [ARGS]  # benchmarks/serve_scaling.py on the E2B-shaped model
 #   bash benchmarks/gpu_record.sh int4     # benchmarks/gpu_int4.sh's quantize + reload measurements
-# Inputs in .carry/ as for benchmarks/gpu_bench.sh. Results under $OUT.
+# Inputs in .carry/ as for benchmarks/gpu_bench.sh. Results under $OUT. KINDS="e2b" makes only
+# the E2B-shaped model in the models stage.
 set -euo pipefail
 stage=${1:?models, plan, bench, serve or int4}
 shift || true
@@ -29,7 +31,7 @@ models)
   vocab=$root/.carry/ggml-vocab-gemma-4.gguf
   [ -f "$vocab" ] || xz -dkc "$vocab.xz" > "$vocab"
   took "build ready"
-  for kind in gemma3-270m e2b; do
+  for kind in ${KINDS:-gemma3-270m e2b}; do
     [ -f "$models/$kind/config.json" ] || python benchmarks/random_models.py "$kind" "$models/$kind" --vocab "$vocab" --device cuda
     [ -f "$(gguf_of $kind)" ] || gemmactl quantize "$models/$kind" --gguf Q4_K_M --force --json > "$out/quantize-$kind.json"
     took "$kind ready"
@@ -61,6 +63,12 @@ serve)
   python benchmarks/serve_bench.py --model "$(gguf_of e2b)" --spec-target "$(gguf_of e2b)" --spec-draft "$draft" \
     "$@" --json "$out/serve.json" > "$out/serve.txt" 2> "$out/serve.err" || { tail -5 "$out/serve.err"; exit 1; }
   cat "$out/serve.txt"
+  took "done"
+  ;;
+scaling)
+  python benchmarks/serve_scaling.py --model "$(gguf_of e2b)" "$@" --json "$out/serve_scaling.json" \
+    > "$out/serve_scaling.txt" 2> "$out/serve_scaling.err" || { tail -5 "$out/serve_scaling.err"; exit 1; }
+  cat "$out/serve_scaling.txt"
   took "done"
   ;;
 int4)

@@ -26,6 +26,8 @@ from gemmactl.errors import RecipeError, UnknownTierError
 KNOWN_BACKENDS = ("llamacpp", "int4")
 # Friendly speculative-decoding kinds → llama-server's --spec-type value.
 SPECULATIVE_KINDS = {"draft": "draft-simple", "mtp": "draft-mtp", "ngram": "ngram-simple"}
+# llama-server's -fa values; "off" keeps a served tier's greedy text equal to the in-process backend's.
+FLASH_ATTN_MODES = ("off", "on", "auto")
 MAX_PARALLEL = 256
 EMBEDDED_MODEL = "embedded"
 DEFAULT_RECIPE = "default"
@@ -80,6 +82,8 @@ class Tier:
     needs: str = ""
     parallel: int | str = 4  # concurrent slots when served (llama-server -np), or "auto" (sized by the planner); in-process backends run one at a time
     speculative: Speculative | None = None
+    flash_attn: str = "off"  # llama-server -fa when served: off, on or auto (FLASH_ATTN_MODES)
+    backend_sampling: bool = False  # llama-server --backend-sampling when served: sample on the GPU, not the CPU
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,7 @@ def _builtin_dir() -> Traversable:
 _TOP_KEYS = ("name", "description", "default_tier", "tiers")
 _TIER_KEYS = (
     "model", "backend", "context", "thinking", "sampling", "description", "make", "needs", "parallel", "speculative",
+    "flash_attn", "backend_sampling",
 )
 _SPECULATIVE_KEYS = ("type", "draft_model", "draft_max", "draft_min", "enabled")
 _SAMPLING_KEYS = tuple(f.name for f in fields(Sampling))
@@ -296,7 +301,22 @@ class _Reader:
                 )
         if "speculative" in values:
             changes["speculative"] = self.speculative(values["speculative"])
+        if "flash_attn" in values:
+            changes["flash_attn"] = self.flash_attn(values["flash_attn"])
+        if "backend_sampling" in values:
+            changes["backend_sampling"] = self.boolean(values["backend_sampling"])
         return Tier(name=name, model=model, **changes)  # type: ignore[arg-type]
+
+    def flash_attn(self, entry: _Field) -> str:
+        """One of FLASH_ATTN_MODES; YAML's true/false (also unquoted on/off) mean on/off."""
+        value = _scalar(entry.value)
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if value not in FLASH_ATTN_MODES:
+            raise self.error(
+                entry.value, f"{entry.path} must be one of {', '.join(FLASH_ATTN_MODES)}, got {_shown(entry.value)}"
+            )
+        return value
 
     def sampling(self, entry: _Field) -> Sampling:
         """Read a tier's sampling mapping; absent keys keep Sampling's defaults."""

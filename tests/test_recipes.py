@@ -238,6 +238,14 @@ MALFORMED = [
                  "tiers.fast.speculative.draft_min (9) is above draft_max (8)", 4, id="speculative-min-above-max"),
     pytest.param(MINIMAL + "    speculative:\n      type: ngram\n      enabled: 'no'\n",
                  "tiers.fast.speculative.enabled must be true or false", 6, id="speculative-enabled"),
+    pytest.param(MINIMAL + "    flash_attn: fast\n", "tiers.fast.flash_attn must be one of off, on, auto, got 'fast'", 4,
+                 id="flash-attn-word"),
+    pytest.param(MINIMAL + "    flash_attn: 1\n", "tiers.fast.flash_attn must be one of off, on, auto, got 1", 4,
+                 id="flash-attn-int"),
+    pytest.param(MINIMAL + "    flash_attn: [on]\n", "tiers.fast.flash_attn must be one of off, on, auto, got a list", 4,
+                 id="flash-attn-list"),
+    pytest.param(MINIMAL + "    flash_attn:\n", "tiers.fast.flash_attn must be one of off, on, auto, got nothing", 4,
+                 id="flash-attn-empty"),
 ]
 
 
@@ -271,6 +279,28 @@ def test_parallel_and_speculative_parse():
     assert parse_recipe(MINIMAL + "    parallel: auto\n").tiers["fast"].parallel == "auto"
     with pytest.raises(RecipeError, match="from 1 to 256, or auto"):
         parse_recipe(MINIMAL + "    parallel: many\n")
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("off", "off"), ("on", "on"), ("auto", "auto"),
+    ("'off'", "off"), ("'on'", "on"),  # quoted: the strings themselves
+    ("true", "on"), ("false", "off"), ("yes", "on"), ("no", "off"),  # YAML booleans
+])
+def test_flash_attn_parses(value, expected):
+    assert parse_recipe(MINIMAL + f"    flash_attn: {value}\n").tiers["fast"].flash_attn == expected
+
+
+def test_flash_attn_is_off_by_default_and_per_tier():
+    assert parse_recipe(MINIMAL).tiers["fast"].flash_attn == "off"
+    recipe = parse_recipe(MINIMAL + "    flash_attn: on\n  bulk:\n    model: embedded\n    parallel: 64\n")
+    assert (recipe.tier("fast").flash_attn, recipe.tier("bulk").flash_attn) == ("on", "off")
+
+
+def test_flash_attn_modes_are_llama_servers():
+    from gemmactl.llamacpp.server import FLASH_ATTN_MODES as SERVER_MODES
+    from gemmactl.recipes import FLASH_ATTN_MODES
+
+    assert FLASH_ATTN_MODES == SERVER_MODES
 
 
 def test_error_carries_hint():
@@ -365,3 +395,10 @@ def test_unknown_builtin_from_env_says_so(monkeypatch):
     monkeypatch.setenv("GEMMACTL_RECIPE", "huge")
     with pytest.raises(RecipeError, match=r"no recipe 'huge' \(from \$GEMMACTL_RECIPE\)"):
         resolve_recipe(None)
+
+
+def test_backend_sampling_parses_as_a_boolean_and_is_off_by_default():
+    assert parse_recipe(MINIMAL).tiers["fast"].backend_sampling is False
+    assert parse_recipe(MINIMAL + "    backend_sampling: true\n").tiers["fast"].backend_sampling is True
+    with pytest.raises(RecipeError, match="backend_sampling"):
+        parse_recipe(MINIMAL + "    backend_sampling: gpu\n")

@@ -159,3 +159,41 @@ def test_a_taken_port_fails_before_anything_loads(tmp_path):
         with pytest.raises(PortInUseError, match=f"127.0.0.1:{port} is already in use"):
             Service(ServeConfig(recipe=RECIPE, port=port), Store(tmp_path)).start()
     assert not (tmp_path / "models").exists()  # the embedded model was not even assembled
+
+
+@pytest.mark.parametrize("mode", ["off", "on", "auto"])
+def test_llama_server_command_carries_flash_attn(tmp_path, mode):
+    from gemmactl.llamacpp.server import LlamaServer
+    from gemmactl.server.backends import ServerBackend
+
+    server = LlamaServer(tmp_path / "llama-server", "m.gguf", threads=2, context=512, parallel=4, log_dir=tmp_path,
+                         flash_attn=mode)
+    command = server.command
+    assert command[command.index("-fa") + 1] == mode and command.count("-fa") == 1
+    assert "--swa-full" in command and "--no-kv-unified" in command
+    # The serve backend passes its tiers' setting on; nothing starts until start().
+    backend = ServerBackend(tmp_path / "llama-server", tmp_path / "m.gguf", tiers=["fast"], context=512, parallel=4,
+                            threads=2, log_dir=tmp_path, flash_attn=mode)
+    assert backend.info.command[backend.info.command.index("-fa") + 1] == mode and backend.pid is None
+
+
+def test_llama_server_flash_attn_defaults_to_off_and_refuses_other_values(tmp_path):
+    from gemmactl.llamacpp.server import LlamaServer
+
+    command = LlamaServer(tmp_path / "llama-server", "m.gguf", threads=2, context=512, log_dir=tmp_path).command
+    assert command[command.index("-fa") + 1] == "off"
+    with pytest.raises(ValueError, match="flash_attn must be one of off, on, auto"):
+        LlamaServer(tmp_path / "llama-server", "m.gguf", threads=2, context=512, log_dir=tmp_path, flash_attn="yes")
+
+
+def test_tiers_with_other_server_settings_get_their_own_server(built_home):
+    from gemmactl.server.service import plan_backends
+    from gemmactl.store import Store
+
+    recipe = parse_recipe("tiers:\n  fast:\n    model: embedded\n  deep:\n    model: embedded\n"
+                          "  bulk:\n    model: embedded\n    flash_attn: on\n"
+                          "  batch:\n    model: embedded\n    flash_attn: on\n    backend_sampling: true\n")
+    plans, unavailable, _ = plan_backends(recipe, Store(built_home), speculative=True, require_build=True)
+    assert not unavailable
+    assert sorted((p.tiers, p.flash_attn, p.backend_sampling) for p in plans) == [
+        (["batch"], "on", True), (["bulk"], "on", False), (["fast", "deep"], "off", False)]

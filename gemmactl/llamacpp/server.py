@@ -1,8 +1,9 @@
 """A llama-server process on 127.0.0.1 and its HTTP client: start, health, stop, streamed completions.
 
 `gemmactl bench` starts one per measurement; `gemmactl serve` keeps one per GGUF tier and restarts
-it when it dies. Every server gets `-fa off --swa-full` so that its attention work, and so its
-greedy text, equals the in-process backend's (docs/benchmarks.md).
+it when it dies. Every server gets `--swa-full`, and `-fa off` unless a recipe tier asks for flash
+attention: with both, its attention work, and so its greedy text, equals the in-process backend's
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from pathlib import Path
 from gemmactl.errors import ServerError
 
 HOST = "127.0.0.1"
-# The settings under which llama-server's greedy text equals the in-process backend's on Gemma:
-# no flash attention, and a full-size cache for the sliding-window layers (the C API's default;
-# the server's own default keeps only the window, which also breaks prefix reuse).
-SAME_AS_IN_PROCESS = ("-fa", "off", "--swa-full")
+# llama-server's greedy text equals the in-process backend's on Gemma with `-fa off` (no flash
+# attention) and `--swa-full` (a full-size cache for the sliding-window layers: the C API's
+# default; the server's own default keeps only the window, which also breaks prefix reuse).
+# `-fa on` and `-fa auto` (the server decides) give up that equality for other attention kernels;
+# `--swa-full` stays, so prefix reuse keeps working.
+FLASH_ATTN_MODES = ("off", "on", "auto")
 
 
 def free_port() -> int:
@@ -64,7 +67,7 @@ class LlamaServer:
     """llama-server for one GGUF with N slots, each holding `context` tokens; stopped on exit.
 
     `placement` replaces the default `-ngl N` (e.g. the planner's `-ngl 20 -ot ...`); `extra_args`
-    are appended (speculative decoding, ...).
+    are appended (speculative decoding, ...). `flash_attn` is `-fa`'s value; `--swa-full` stays.
     """
 
     def __init__(
@@ -82,18 +85,22 @@ class LlamaServer:
         extra_args: Sequence[str] = (),
         port: int | None = None,
         label: str = "",
+        flash_attn: str = "off",
     ):
+        if flash_attn not in FLASH_ATTN_MODES:
+            raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}, got {flash_attn!r}")
         self.binary = Path(binary)
         self.model_path = str(model_path)
         self.port = port or free_port()
         self.parallel = parallel
         self.context = context
+        self.flash_attn = flash_attn
         gpu = list(placement) if placement else ["-ngl", str(n_gpu_layers)]
         # Without --kv-unified the context is split evenly over the slots: size it per slot.
         self.command = [
             str(binary), "-m", self.model_path, "--host", HOST, "--port", str(self.port),
             "-t", str(threads), "-tb", str(threads), "-c", str(context * parallel), "-np", str(parallel),
-            *gpu, "--no-kv-unified", *SAME_AS_IN_PROCESS,
+            *gpu, "--no-kv-unified", "-fa", flash_attn, "--swa-full",
         ] + ([] if repack else ["--no-repack"]) + list(extra_args)
         log_dir.mkdir(parents=True, exist_ok=True)
         name = f"llama-server-{label}-{self.port}" if label else f"llama-server-np{parallel}-{self.port}"

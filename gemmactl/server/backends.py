@@ -54,7 +54,10 @@ class BackendInfo:
 
 
 class ServerBackend:
-    """A llama-server child for one GGUF and settings, restarted when it dies; shared by its tiers."""
+    """A llama-server child for one GGUF and settings, restarted when it dies; shared by its tiers.
+
+    `flash_attn` is the tiers' recipe `flash_attn` (llama-server `-fa`: off, on or auto).
+    """
 
     kind = "llama-server"
 
@@ -72,13 +75,14 @@ class ServerBackend:
         placement_note: str = "",
         extra_args: Sequence[str] = (),
         speculative: str = "off",
+        flash_attn: str = "off",
         on_change: Callable[[], None] | None = None,
     ):
         from gemmactl.llamacpp.server import LlamaServer
 
         self._make = lambda: LlamaServer(
             binary, str(model_path), threads=threads, context=context, parallel=parallel, log_dir=log_dir,
-            placement=placement, extra_args=extra_args, label="-".join(tiers),
+            placement=placement, extra_args=extra_args, label="-".join(tiers), flash_attn=flash_attn,
         )
         self.server = self._make()
         self.model_path = str(model_path)

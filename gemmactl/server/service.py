@@ -57,6 +57,8 @@ class BackendPlan:
     spec_args: tuple[str, ...] = ()
     spec_note: str = "off"
     slots_note: str = ""  # why a `parallel: auto` tier got its slots
+    flash_attn: str = "off"  # llama-server -fa (the tiers' recipe flash_attn)
+    backend_sampling: bool = False  # llama-server --backend-sampling (the tiers' recipe backend_sampling)
 
 
 def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_build: bool
@@ -86,7 +88,7 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
         if kind == "llamacpp" and server_binary is not None:
             if slots == "auto":
                 slots, slots_note = auto_slots(path, tier.context, store)
-            key = ("llama-server", str(path), tier.context, slots, spec_args)
+            key = ("llama-server", str(path), tier.context, slots, spec_args, tier.flash_attn, tier.backend_sampling)
             kind = "llama-server"
         else:
             if kind == "llamacpp":
@@ -94,13 +96,18 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
                                 "request at a time, without prompt caching; run `gemmactl build` for the server")
             if tier.speculative and tier.speculative.enabled and speculative:
                 warnings.append(f"tier {name}: speculative decoding needs llama-server; it is off for this tier")
+            for field, value in (("flash_attn", tier.flash_attn != "off"), ("backend_sampling", tier.backend_sampling)):
+                if value:
+                    warnings.append(f"tier {name}: {field} needs llama-server; it is off for this tier")
             key = (kind, str(path), tier.context)
             spec_args, spec_note = (), "off"
         if key in plans:
             plans[key].tiers.append(name)
         else:
             parallel = slots if kind == "llama-server" else 1
-            plans[key] = BackendPlan(key, kind, path, [name], tier.context, parallel, spec_args, spec_note, slots_note)
+            served = kind == "llama-server"
+            plans[key] = BackendPlan(key, kind, path, [name], tier.context, parallel, spec_args, spec_note, slots_note,
+                                     tier.flash_attn if served else "off", tier.backend_sampling and served)
     return list(plans.values()), unavailable, warnings
 
 
@@ -239,13 +246,15 @@ class Service:
             backend = ServerBackend(
                 build.binary("llama-server"), plan.model_path, tiers=plan.tiers, context=plan.context,
                 parallel=plan.parallel, threads=threads, log_dir=self.store.home / "logs" / "serve",
-                placement=placement, placement_note=note, extra_args=plan.spec_args, speculative=plan.spec_note,
-                on_change=self.write_state,
+                placement=placement, placement_note=note, speculative=plan.spec_note,
+                extra_args=plan.spec_args + (("--backend-sampling",) if plan.backend_sampling else ()),
+                flash_attn=plan.flash_attn, on_change=self.write_state,
             )
             backend.start()
-            log.info("tiers %s: llama-server pid %s on port %s, %d slots of %d tokens, placement: %s, "
-                     "speculative: %s (%.1f s)", ",".join(plan.tiers), backend.pid, backend.server.port,
-                     plan.parallel, plan.context, note, plan.spec_note, time.perf_counter() - started)
+            log.info("tiers %s: llama-server pid %s on port %s, %d slots of %d tokens, -fa %s, backend sampling %s, "
+                     "placement: %s, speculative: %s (%.1f s)", ",".join(plan.tiers), backend.pid, backend.server.port,
+                     plan.parallel, plan.context, plan.flash_attn, "on" if plan.backend_sampling else "off", note,
+                     plan.spec_note, time.perf_counter() - started)
             return backend
         from gemmactl.runtime import backend_class
 
