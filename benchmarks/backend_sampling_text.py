@@ -27,7 +27,7 @@ PROMPTS = [
 def texts(server, concurrent: bool, max_tokens: int) -> list[str]:
     def one(prompt: str) -> str:
         reply = server.post_json("/completion", {"prompt": prompt, "n_predict": max_tokens, "temperature": 0,
-                                                 "top_k": 1, "cache_prompt": False, "ignore_eos": True})
+                                                 "top_k": 1, "cache_prompt": False, "ignore_eos": True}, timeout=600)
         return reply["content"]
 
     if not concurrent:

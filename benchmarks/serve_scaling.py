@@ -1,10 +1,11 @@
 """Aggregate tok/s from 1 to N concurrent clients for a matrix of llama-server settings, direct and through the front.
 
-For each config of the built-in matrix (slots, tokens per slot, flash attention, KV layout):
+For each config of the built-in matrix (slots, tokens per slot, flash attention, KV layout,
+sampling on the GPU or the CPU):
   direct  a llama-server of the active llama.cpp build (-ngl 999, every core) gets N concurrent
           greedy /completion requests with ignore_eos, so each one makes exactly --max-tokens;
   front   (--front, the default) a `gemmactl serve` process whose one-tier recipe has the
-          config's parallel and flash_attn gets the same through /v1/completions. The front has
+          config's parallel, flash_attn and backend_sampling gets the same through /v1/completions. The front has
           no ignore_eos: its tokens are counted from each response's `usage`.
 Aggregate tok/s = generated tokens / wall time of the round (first request sent → last answer
 read), the median of --rounds. Each level is compared with the same config at 1 client, and with
@@ -12,7 +13,7 @@ the best single stream of any config (direct), which is the honest ratio: what N
 over the fastest way this machine serves one.
 
     python benchmarks/serve_scaling.py --model GGUF [--levels 1,16,64] [--max-tokens 64] [--rounds 2]
-        [--configs np16-fa-off,np16-fa-on] [--no-front] [--stream] [--home DIR] [--json OUT]
+        [--configs np16-fa-off,np16-fa-on-bs] [--threads N] [--no-front] [--stream] [--home DIR] [--json OUT]
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ CONFIGS = {
     "np64-fa-on": Config(64, "on"),
     "np16-fa-on-unified": Config(16, "on", kv_unified=True),
     "np16-fa-on-bs": Config(16, "on", backend_sampling=True),
+    "np16-fa-off-bs": Config(16, "off", backend_sampling=True),
     "np64-fa-on-bs": Config(64, "on", backend_sampling=True),
 }
 

@@ -396,3 +396,21 @@ def test_parallel_auto_takes_its_slots_from_the_planner(serve_home, embedded_ggu
     for plan in plans:
         assert plan.kind == "llama-server" and 1 <= plan.parallel <= AUTO_PARALLEL_MAX
         assert plan.slots_note.startswith(f"parallel auto: {plan.parallel} slot")
+
+
+def test_backend_sampling_tier_gives_the_plain_tiers_greedy_text(serve_home, embedded_gguf):
+    """Sampling on the backend is an optimization: one request at a time, the same greedy tokens."""
+    recipe = recipe_text(embedded_gguf).replace(
+        "    sampling: {temperature: 0.0, repeat_penalty: 1.1, max_tokens: 32}\n",
+        "    sampling: {temperature: 0.0, repeat_penalty: 1.0, max_tokens: 32}\n    backend_sampling: true\n",
+    ).replace("repeat_penalty: 1.1, max_tokens: 16", "repeat_penalty: 1.0, max_tokens: 32")
+    service = start(serve_home, recipe)
+    try:
+        commands = {tier: lane.backend.info.command for tier, lane in service.lanes.items()}
+        assert "--backend-sampling" in commands["deep"] and "--backend-sampling" not in commands["fast"]
+        for prompt in ("The capital of France is", "def fibonacci(n):", "Once upon a time"):
+            texts = [post(f"{service.url}/v1/completions", {"model": tier, "prompt": prompt, "max_tokens": 24})[2]
+                     ["choices"][0]["text"] for tier in ("fast", "deep")]
+            assert texts[0] == texts[1] and texts[0], prompt
+    finally:
+        service.close()

@@ -35,8 +35,17 @@ def empty_model(artifact, dtype=None):
     model_type = config_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **config_dict)
     dtype = dtype or getattr(torch, str(config_dict.get("dtype") or config_dict.get("torch_dtype") or "bfloat16"))
-    with init_empty_weights(include_buffers=False):
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: random init on meta tensors, slower, same result
+        from contextlib import nullcontext as no_init_weights
+    with init_empty_weights(include_buffers=False), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # The parameters are loaded next, so their (meta) random init is skipped above; the buffers
+    # (rotary tables, embedding scales) still get the model's own init, module by module.
+    for module in model.modules():
+        if next(module.buffers(recurse=False), None) is not None:
+            model._init_weights(module)
     return model, dtype
 
 
