@@ -24,9 +24,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from gemmactl.runtime.base import GenerationRequest, GenerationStats, stream_generate
-    from gemmactl.runtime.int4_dequant import Int4DequantBackend
+    from gemmactl.runtime.int4_backend import Int4Backend
 
-    backends = {name: Int4DequantBackend(args.artifact, dtype=dtype) for name, dtype in
+    backends = {name: Int4Backend(args.artifact, dtype=dtype) for name, dtype in
                 (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
     request = GenerationRequest(prompt="The history of the city of Paris begins", max_tokens=args.tokens,
                                 temperature=0, raw=True)

@@ -158,7 +158,7 @@ def main() -> None:
 
     from gemmactl.formats.int4.quantize import quantize_checkpoint
     from gemmactl.formats.int4.reader import open_artifact
-    from gemmactl.runtime.int4_dequant import build_model
+    from gemmactl.runtime.int4_backend import build_model
 
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     windows = text_windows(tokenizer, args.text, args.tokens, args.window)

@@ -58,7 +58,7 @@ import time, torch, transformers, accelerate
 import transformers.models.gemma4.modeling_gemma4
 from transformers import AutoModelForCausalLM
 from gemmactl.formats.int4.reader import open_artifact
-from gemmactl.runtime.int4_dequant import build_model
+from gemmactl.runtime.int4_backend import build_model
 from gemmactl.runtime.int4_packed import build_packed_model
 DEVICE = {device!r}
 def sync():

@@ -50,7 +50,7 @@ def main() -> None:
     from gemmactl.formats.int4.layout import QuantizeOptions
     from gemmactl.formats.int4.quantize import quantize_checkpoint
     from gemmactl.formats.int4.reader import open_artifact
-    from gemmactl.runtime.int4_dequant import build_model
+    from gemmactl.runtime.int4_backend import build_model
 
     ids = torch.randint(0, 262_144, (1, 24), generator=torch.Generator().manual_seed(0))
     results = {}

@@ -67,7 +67,7 @@ def test_a_tiny_gemma4_on_the_int4_grid_decodes_to_the_same_logits_and_tokens(ti
     bit for bit, giving the same logits and the same greedy tokens as the original model."""
     from transformers import AutoModelForCausalLM
 
-    from gemmactl.runtime.int4_dequant import build_model
+    from gemmactl.runtime.int4_backend import build_model
 
     source = snap_checkpoint_to_grid(tiny_gemma4(kind), tmp_path / "snapped", group_size=32)
     quantize_checkpoint(source, tmp_path / "art", QuantizeOptions(group_size=32))
@@ -97,7 +97,7 @@ def test_gemma3_270m_int4_stream_answers_paris(gemma3_hf_checkpoint, runner, iso
 
 def test_sampling_is_greedy_at_zero_and_repeatable_with_a_seed():
     from gemmactl.runtime.base import GenerationRequest
-    from gemmactl.runtime.int4_dequant import sample_token
+    from gemmactl.runtime.int4_backend import sample_token
 
     logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
     greedy = GenerationRequest(prompt="x", temperature=0)
@@ -115,7 +115,7 @@ def test_sampling_is_greedy_at_zero_and_repeatable_with_a_seed():
 def test_incremental_detokenizer_rebuilds_the_text_across_split_characters(gemma3_hf_checkpoint):
     from transformers import AutoTokenizer
 
-    from gemmactl.runtime.int4_dequant import IncrementalDetokenizer
+    from gemmactl.runtime.int4_backend import IncrementalDetokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gemma3_hf_checkpoint)
     prompt = tokenizer("Say:", add_special_tokens=False)["input_ids"]

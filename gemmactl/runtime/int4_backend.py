@@ -110,7 +110,7 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-class Int4DequantBackend:
+class Int4Backend:
     """One int4-stream artifact in a transformers model, generating token by token.
 
     weights: "dense" (dequantize once at load), "packed" (keep packed, dequantize per call) or
