@@ -3,8 +3,8 @@
 The model is built with empty (meta) parameters from the config in the artifact's index. Its
 weights then either become dense parameters, dequantized once at load (`weights="dense"`: the
 fastest decoding, the CPU default), or stay packed and are dequantized at every call
-(`weights="packed"`, gemmactl/runtime/int4_packed.py: a load that reads almost nothing and a
-quarter of the memory, the default on a GPU). Both give the same logits, bit for bit.
+(`weights="packed"`, gemmactl/runtime/int4_packed.py: a load that reads almost nothing and, on
+a GPU, about a third of the memory; the GPU default). Both give the same logits, bit for bit.
 Generation is a plain token-by-token loop over the model's KV cache.
 """
 

@@ -136,7 +136,7 @@ def build_packed_model(artifact, dtype=None, device="cpu", tables_device="cpu"):
     for name in artifact.tensor_names():
         path, _, attr = name.rpartition(".")
         module = modules.get(path)
-        records = artifact._by_name[name]
+        records = artifact.records_of(name)
         record = records[0]
         single = len(records) == 1 and record.expert is None and attr == "weight"
         if single and isinstance(module, torch.nn.Linear) and record.scheme in PACKED_SCHEMES:

@@ -110,6 +110,13 @@ class Int4Artifact:
         """Names of the original tensors, in file order (an expert stack once)."""
         return list(self._by_name)
 
+    def records_of(self, name: str) -> list[TensorRecord]:
+        """The records of one original tensor: one, or one per expert of an MoE stack."""
+        members = self._by_name.get(name)
+        if not members:
+            raise KeyError(f"{self.path} has no tensor {name}")
+        return list(members)
+
     def layers(self) -> list[int]:
         return sorted({r.layer for r in self.records if r.layer is not None})
 
@@ -169,9 +176,7 @@ class Int4Artifact:
         """One original tensor, dense on device; an MoE stack comes back as [experts, rows, cols]."""
         import torch
 
-        members = self._by_name.get(name)
-        if not members:
-            raise KeyError(f"{self.path} has no tensor {name}")
+        members = self.records_of(name)
         if members[0].expert is None:
             return self.decode(members[0], device, dtype)
         return torch.stack([self.decode(r, device, dtype) for r in sorted(members, key=lambda r: r.expert)])
