@@ -22,12 +22,12 @@ from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from gemmactl.errors import RecipeError, UnknownTierError
+# llama-server's -fa values; "off" keeps a served tier's greedy text equal to the in-process backend's.
+from gemmactl.llamacpp.server import FLASH_ATTN_MODES
 
 KNOWN_BACKENDS = ("llamacpp", "int4")
 # Friendly speculative-decoding kinds → llama-server's --spec-type value.
 SPECULATIVE_KINDS = {"draft": "draft-simple", "mtp": "draft-mtp", "ngram": "ngram-simple"}
-# llama-server's -fa values; "off" keeps a served tier's greedy text equal to the in-process backend's.
-FLASH_ATTN_MODES = ("off", "on", "auto")
 MAX_PARALLEL = 256
 EMBEDDED_MODEL = "embedded"
 DEFAULT_RECIPE = "default"
