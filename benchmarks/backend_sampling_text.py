@@ -26,8 +26,10 @@ PROMPTS = [
 
 def texts(server, concurrent: bool, max_tokens: int) -> list[str]:
     def one(prompt: str) -> str:
-        reply = server.post_json("/completion", {"prompt": prompt, "n_predict": max_tokens, "temperature": 0,
-                                                 "top_k": 1, "cache_prompt": False, "ignore_eos": True}, timeout=600)
+        # Greedy as gemmactl sends it to this server (LlamaServer.sampling_fields).
+        body = {"prompt": prompt, "n_predict": max_tokens, "cache_prompt": False, "ignore_eos": True,
+                **server.sampling_fields(0, 0, 1.0, 0.0, 1.0)}
+        reply = server.post_json("/completion", body, timeout=600)
         return reply["content"]
 
     if not concurrent:

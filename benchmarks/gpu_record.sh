@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_record.sh bench [gemma3-270m|e2b] [BENCH ARGS]   # gemmactl bench, every target
 #   bash benchmarks/gpu_record.sh serve    # benchmarks/serve_bench.py on the E2B-shaped model
 #   bash benchmarks/gpu_record.sh scaling [ARGS]  # benchmarks/serve_scaling.py on the E2B-shaped model
+#   bash benchmarks/gpu_record.sh bstext [ARGS]   # benchmarks/backend_sampling_text.py on the E2B-shaped model
 #   bash benchmarks/gpu_record.sh int4     # benchmarks/gpu_int4.sh's quantize + reload measurements
 # Inputs in .carry/ as for benchmarks/gpu_bench.sh. Results under $OUT. KINDS="e2b" makes only
 # the E2B-shaped model in the models stage.
@@ -69,6 +70,11 @@ scaling)
   python benchmarks/serve_scaling.py --model "$(gguf_of e2b)" "$@" --json "$out/serve_scaling.json" \
     > "$out/serve_scaling.txt" 2> "$out/serve_scaling.err" || { tail -5 "$out/serve_scaling.err"; exit 1; }
   cat "$out/serve_scaling.txt"
+  took "done"
+  ;;
+bstext)
+  python benchmarks/backend_sampling_text.py --model "$(gguf_of e2b)" "$@" --json "$out/backend_sampling_text.json" \
+    2> "$out/backend_sampling_text.err" | tail -8 || { tail -5 "$out/backend_sampling_text.err"; exit 1; }
   took "done"
   ;;
 int4)

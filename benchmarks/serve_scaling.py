@@ -7,13 +7,16 @@ sampling on the GPU or the CPU):
   front   (--front, the default) a `gemmactl serve` process whose one-tier recipe has the
           config's parallel, flash_attn and backend_sampling gets the same through /v1/completions. The front has
           no ignore_eos: its tokens are counted from each response's `usage`.
+Greedy requests send llama-server's filters in their cheapest no-op form, as gemmactl does (--compare-filters also
+measures direct requests with its default top-k 40 etc.).
 Aggregate tok/s = generated tokens / wall time of the round (first request sent → last answer
 read), the median of --rounds. Each level is compared with the same config at 1 client, and with
 the best single stream of any config (direct), which is the honest ratio: what N clients get
 over the fastest way this machine serves one.
 
     python benchmarks/serve_scaling.py --model GGUF [--levels 1,16,64] [--max-tokens 64] [--rounds 2]
-        [--configs np16-fa-off,np16-fa-on-bs] [--threads N] [--no-front] [--stream] [--home DIR] [--json OUT]
+        [--configs np16-fa-off,np16-fa-on-bs] [--threads N] [--no-front] [--stream] [--compare-filters]
+        [--home DIR] [--json OUT]
 """
 
 from __future__ import annotations
@@ -123,11 +126,15 @@ def post(port: int, path: str, body: dict, stream: bool, timeout: float = 900) -
         connection.close()
 
 
-def direct_request(port: int, prompt: str, max_tokens: int, stream: bool) -> dict:
-    """One greedy llama-server /completion that makes exactly max_tokens tokens."""
-    body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "seed": 0, "ignore_eos": True,
-            "cache_prompt": True}
-    data, seconds = post(port, "/completion", body, stream)
+def direct_request(server, prompt: str, max_tokens: int, stream: bool, filters: bool = False) -> dict:
+    """One greedy llama-server /completion that makes exactly max_tokens tokens.
+
+    Sampling as gemmactl sends it (LlamaServer.sampling_fields), or with filters=True only
+    `temperature: 0`, so that llama-server runs its default filters (top-k 40 ...) before the argmax.
+    """
+    sampling = {"temperature": 0} if filters else server.sampling_fields(0, 0, 1.0, 0.0, 1.0)
+    body = {"prompt": prompt, "n_predict": max_tokens, "seed": 0, "ignore_eos": True, "cache_prompt": True, **sampling}
+    data, seconds = post(server.port, "/completion", body, stream)
     return {"tokens": int(data.get("tokens_predicted", 0)), "latency_s": seconds,
             "engine_tok_s": data.get("timings", {}).get("predicted_per_second")}
 
@@ -217,10 +224,14 @@ def run_direct(name: str, config: Config, binary: Path, model: Path, args, log_d
                          parallel=config.parallel, n_gpu_layers=999, log_dir=log_dir, flash_attn=config.flash_attn,
                          extra_args=config.extra_args, label=f"scaling-{name}")
     with server:
-        rows = measure(lambda prompt, n: direct_request(server.port, prompt, n, args.stream), args.levels_list,
+        rows = measure(lambda prompt, n: direct_request(server, prompt, n, args.stream), args.levels_list,
                        args.rounds, args.max_tokens)
-    return {"command": server.command, "load_s": server.load_s, "log": str(server.log_path),
-            "server_says": log_settings(server.log_path), "levels": rows}
+        with_filters = measure(lambda prompt, n: direct_request(server, prompt, n, args.stream, filters=True),
+                               args.levels_list, args.rounds, args.max_tokens) if args.compare_filters else None
+    common = {"command": server.command, "load_s": server.load_s, "log": str(server.log_path),
+              "server_says": log_settings(server.log_path)}
+    return {"direct": common | {"levels": rows},
+            **({"direct-filters": common | {"levels": with_filters}} if with_filters else {})}
 
 
 # -- front: a `gemmactl serve` process --------------------------------------------------------------
@@ -309,19 +320,22 @@ def run_front(name: str, config: Config, model: Path, args, home: Path, work: Pa
 
 # -- report ---------------------------------------------------------------------------------------
 
+PATHS = {"direct": "direct llama-server", "direct-filters": "direct llama-server, its default filters on",
+         "front": "through gemmactl serve"}
+
 
 def add_honest_ratios(result: dict) -> None:
     """Best single stream over every config (direct, 1 client); each level's aggregate over it."""
-    singles = [(part["levels"][0]["aggregate_tok_s"], name)
-               for name, entry in result["configs"].items()
-               for part in [entry.get("direct", {})] if part.get("levels") and part["levels"][0]["clients"] == 1]
+    singles = [(part["levels"][0]["aggregate_tok_s"], name, path)
+               for name, entry in result["configs"].items() for path in ("direct", "direct-filters")
+               for part in [entry.get(path, {})] if part.get("levels") and part["levels"][0]["clients"] == 1]
     best = max(singles) if singles else None
-    result["best_single_stream"] = {"tok_s": best[0], "config": best[1], "path": "direct"} if best else None
+    result["best_single_stream"] = {"tok_s": best[0], "config": best[1], "path": best[2]} if best else None
     reference = 16 if 16 in result["levels"] else max(result["levels"])
     result["reference_clients"] = reference
     summary = []
     for name, entry in result["configs"].items():
-        for path in ("direct", "front"):
+        for path in PATHS:
             rows = entry.get(path, {}).get("levels")
             if not rows:
                 continue
@@ -355,7 +369,7 @@ def report(result: dict) -> str:
     out = []
     for name, entry in result["configs"].items():
         out.append(f"== {name}: {entry['settings_text']}")
-        for path, title in (("direct", "direct llama-server"), ("front", "through gemmactl serve")):
+        for path, title in PATHS.items():
             part = entry.get(path)
             if part is None:
                 continue
@@ -370,9 +384,9 @@ def report(result: dict) -> str:
     reference = result["reference_clients"]
     out.append("")
     out.append("best single stream: " + (f"{best['tok_s']:.1f} tok/s ({best['config']}, {best['path']})" if best else "-"))
-    out.append(f"{'config':<20} {'path':<7} {'1 client':>9} {f'{reference} clients':>11} {'x own 1':>8} {'x best 1':>9}")
+    out.append(f"{'config':<20} {'path':<14} {'1 client':>9} {f'{reference} clients':>11} {'x own 1':>8} {'x best 1':>9}")
     for row in result["summary"]:
-        out.append(f"{row['config']:<20} {row['path']:<7} {fmt(row['one_client_tok_s'], '.1f'):>9} "
+        out.append(f"{row['config']:<20} {row['path']:<14} {fmt(row['one_client_tok_s'], '.1f'):>9} "
                    f"{fmt(row['reference_tok_s'], '.1f'):>11} {fmt(row['x_vs_own_1'], '.2f'):>8} "
                    f"{fmt(row['x_vs_best_single'], '.2f'):>9}")
     return "\n".join(out)
@@ -398,6 +412,8 @@ def main() -> None:
     parser.add_argument("--front", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure each config through a `gemmactl serve` process")
     parser.add_argument("--stream", action="store_true", help="clients stream (SSE) instead of one JSON answer")
+    parser.add_argument("--compare-filters", action="store_true",
+                        help="also measure direct requests that leave llama-server's default filters on (top-k 40 ...)")
     parser.add_argument("--home", help="store folder with the llama.cpp build (default: $GEMMACTL_HOME)")
     parser.add_argument("--json", help="write the result here too")
     args = parser.parse_args()
@@ -430,7 +446,7 @@ def main() -> None:
         result["configs"][name] = entry
         print(f"[{name}] direct ...", file=sys.stderr, flush=True)
         try:
-            entry["direct"] = run_direct(name, config, binary, model, args, work / "logs")
+            entry.update(run_direct(name, config, binary, model, args, work / "logs"))
         except Exception as exc:  # noqa: BLE001 - the other configs still run
             entry["direct"] = {"error": f"{type(exc).__name__}: {exc}"}
         if args.front:

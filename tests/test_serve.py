@@ -414,3 +414,22 @@ def test_backend_sampling_tier_gives_the_plain_tiers_greedy_text(serve_home, emb
             assert texts[0] == texts[1] and texts[0], prompt
     finally:
         service.close()
+
+
+def test_cheap_greedy_fields_give_llama_servers_own_greedy_text(serve_home, embedded_gguf, tmp_path):
+    """Greedy with the filters as no-ops (gemmactl's request) = greedy after llama-server's default filters."""
+    from gemmactl.llamacpp.build import active_build
+    from gemmactl.llamacpp.server import LlamaServer
+    from gemmactl.store import Store
+
+    binary = active_build(Store(serve_home)).binary("llama-server")
+    for extra in ((), ("--backend-sampling",)):
+        with LlamaServer(binary, str(embedded_gguf), threads=2, context=512, parallel=1, log_dir=tmp_path,
+                         extra_args=extra) as server:
+            assert server.samples_on_backend == bool(extra)
+            for prompt in ("The capital of France is", "def fibonacci(n):", "Once upon a time"):
+                body = {"prompt": prompt, "n_predict": 24, "ignore_eos": True, "cache_prompt": False}
+                cheap = server.post_json("/completion", body | server.sampling_fields(0, 64, 0.95, 0.05, 1.1))
+                plain = server.post_json("/completion", body | {"temperature": 0, "repeat_penalty": 1.1})
+                assert cheap["tokens_predicted"] == plain["tokens_predicted"] == 24
+                assert cheap["content"] == plain["content"], (extra, prompt)

@@ -197,3 +197,23 @@ def test_tiers_with_other_server_settings_get_their_own_server(built_home):
     assert not unavailable
     assert sorted((p.tiers, p.flash_attn, p.backend_sampling) for p in plans) == [
         (["batch"], "on", True), (["bulk"], "on", False), (["fast", "deep"], "off", False)]
+
+
+def test_greedy_sampling_fields_turn_the_filters_into_their_cheapest_no_ops(tmp_path):
+    from gemmactl.llamacpp.server import LlamaServer, sampling_fields
+
+    cpu = sampling_fields(0.0, 64, 0.9, 0.05, 1.1)
+    backend = sampling_fields(0.0, 64, 0.9, 0.05, 1.1, on_backend=True)
+    # One candidate on the CPU; the argmax of the temperature-0 step on the backend (no sort).
+    assert cpu["top_k"] == 1 and backend["top_k"] == 0
+    for fields in (cpu, backend):
+        assert fields["temperature"] == 0 and fields["repeat_penalty"] == 1.1
+        assert (fields["top_p"], fields["min_p"], fields["typical_p"], fields["xtc_probability"]) == (1.0, 0.0, 1.0, 0.0)
+    # Sampling with a temperature keeps every filter as asked.
+    assert sampling_fields(0.7, 64, 0.9, 0.05, 1.1, on_backend=True) == {
+        "temperature": 0.7, "top_k": 64, "top_p": 0.9, "min_p": 0.05, "repeat_penalty": 1.1}
+    plain = LlamaServer(tmp_path / "llama-server", "m.gguf", threads=2, context=512, log_dir=tmp_path)
+    on_gpu = LlamaServer(tmp_path / "llama-server", "m.gguf", threads=2, context=512, log_dir=tmp_path,
+                         extra_args=("--backend-sampling",))
+    assert not plain.samples_on_backend and on_gpu.samples_on_backend
+    assert on_gpu.sampling_fields(0, 40, 0.95, 0.0, 1.0)["top_k"] == 0

@@ -27,6 +27,27 @@ HOST = "127.0.0.1"
 # `-fa on` and `-fa auto` (the server decides) give up that equality for other attention kernels;
 # `--swa-full` stays, so prefix reuse keeps working.
 FLASH_ATTN_MODES = ("off", "on", "auto")
+# llama-server's filters that cannot change an argmax, as no-ops.
+NEUTRAL_FILTERS = {"top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "xtc_probability": 0.0}
+
+
+def sampling_fields(temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, *,
+                    on_backend: bool = False) -> dict:
+    """The sampling part of a llama-server /completion body.
+
+    Greedy (temperature 0) takes the argmax whatever the filters keep, so they are sent in the
+    form that costs least. Left at llama-server's defaults, its top-k 40 ranks the whole vocabulary
+    (262,144 entries for Gemma) for every slot at every step before the argmax: a partial sort on
+    the CPU, a full sort on a GPU when sampling runs there (`--backend-sampling`). On the CPU
+    `top_k: 1` is one pass that leaves a single candidate; on the backend `top_k: 0` (off) lets
+    the temperature-0 step take the argmax in one reduction. The result is the same token, the
+    argmax, which is also the in-process backend's greedy (llama-cpp-python: penalties, then greedy).
+    """
+    if temperature <= 0:
+        return {"temperature": 0.0, "top_k": 0 if on_backend else 1, "repeat_penalty": repeat_penalty,
+                **NEUTRAL_FILTERS}
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+            "repeat_penalty": repeat_penalty}
 
 
 def free_port() -> int:
@@ -107,6 +128,16 @@ class LlamaServer:
         self.log_path = log_dir / f"{name}.log"
         self.process: subprocess.Popen | None = None
         self.load_s = 0.0
+
+    @property
+    def samples_on_backend(self) -> bool:
+        """Whether this server samples on its compute backend (`--backend-sampling`)."""
+        return "--backend-sampling" in self.command
+
+    def sampling_fields(self, temperature: float, top_k: int, top_p: float, min_p: float,
+                        repeat_penalty: float) -> dict:
+        """sampling_fields() for this server's sampler (CPU or backend)."""
+        return sampling_fields(temperature, top_k, top_p, min_p, repeat_penalty, on_backend=self.samples_on_backend)
 
     @property
     def url(self) -> str:
@@ -238,7 +269,8 @@ class LlamaServer:
 
         if not self.alive():
             raise ServerError("llama-server is not running", hint=f"See its log: {self.log_path}")
-        payload = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "cache_prompt": cache_prompt, "seed": 0}
+        payload = {"prompt": prompt, "n_predict": max_tokens, "cache_prompt": cache_prompt, "seed": 0,
+                   **self.sampling_fields(0, 0, 1.0, 0.0, 1.0)}
         pieces: list[str] = []
         first = last = None
         final: dict = {}

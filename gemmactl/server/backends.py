@@ -188,9 +188,10 @@ class ServerSession:
 
     def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str]:
         payload = {
-            "prompt": prompt.tokens, "n_predict": request.max_tokens, "temperature": request.temperature,
-            "top_k": request.top_k, "top_p": request.top_p, "min_p": request.min_p,
-            "repeat_penalty": request.repeat_penalty, "seed": -1 if request.seed is None else request.seed,
+            "prompt": prompt.tokens, "n_predict": request.max_tokens,
+            **self.server.sampling_fields(request.temperature, request.top_k, request.top_p, request.min_p,
+                              request.repeat_penalty),
+            "seed": -1 if request.seed is None else request.seed,
             # Timings on every event: the core may stop reading before the final one (max_tokens, a stop).
             "cache_prompt": True, "timings_per_token": True,
         }
