@@ -62,24 +62,29 @@ class Config:
     context: int = 512  # tokens per slot
     kv_unified: bool = False  # one KV buffer shared by all slots instead of one per slot
     backend_sampling: bool = False  # llama-server --backend-sampling: sample on the GPU, not the CPU
+    ubatch: int | None = None  # llama-server -ub: at most this many tokens per graph evaluation
 
     @property
     def extra_args(self) -> tuple[str, ...]:
         # LlamaServer always passes --no-kv-unified; llama-server applies flags in order, so the
         # later --kv-unified wins (the server log's `kv_unified = true` confirms it).
-        return (("--kv-unified",) if self.kv_unified else ()) + (("--backend-sampling",) if self.backend_sampling else ())
+        return ((("--kv-unified",) if self.kv_unified else ()) + (("--backend-sampling",) if self.backend_sampling else ())
+                + (("-ub", str(self.ubatch)) if self.ubatch else ()))
 
     @property
     def not_in_a_recipe(self) -> str | None:
         """Why `gemmactl serve` cannot run this config, or None."""
         if self.kv_unified:
             return "kv_unified is not a recipe field: `gemmactl serve` always runs --no-kv-unified"
+        if self.ubatch:
+            return "ubatch is not a recipe field"
         return None
 
     def describe(self) -> str:
         kv = "unified KV" if self.kv_unified else "KV per slot"
         sampling = ", backend sampling" if self.backend_sampling else ""
-        return f"{self.parallel} slots x {self.context} tokens, -fa {self.flash_attn}, {kv}{sampling}"
+        ubatch = f", -ub {self.ubatch}" if self.ubatch else ""
+        return f"{self.parallel} slots x {self.context} tokens, -fa {self.flash_attn}, {kv}{sampling}{ubatch}"
 
 
 THREADS = {"n": os.cpu_count() or 1}  # llama-server -t (--threads)
@@ -93,6 +98,10 @@ CONFIGS = {
     "np16-fa-on-bs": Config(16, "on", backend_sampling=True),
     "np16-fa-off-bs": Config(16, "off", backend_sampling=True),
     "np64-fa-on-bs": Config(64, "on", backend_sampling=True),
+    "np8-fa-on-bs": Config(8, "on", backend_sampling=True),
+    "np12-fa-on-bs": Config(12, "on", backend_sampling=True),
+    "np32-fa-on-bs": Config(32, "on", backend_sampling=True),
+    "np16-fa-on-bs-ub8": Config(16, "on", backend_sampling=True, ubatch=8),
 }
 
 

@@ -250,6 +250,19 @@ def test_killed_backend_fails_its_request_then_recovers(serve_home, embedded_ggu
         assert "Paris" in reply.choices[0].message.content
         assert backend.restarts == 1
         assert json.loads(get(f"{service.url}/health")[1])["tiers"]["fast"]["restarts"] == 1
+
+        # A non-streamed request waits on one answer: a death mid-answer is a 502, not a hang.
+        second_pid = backend.pid
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, f"{service.url}/v1/completions",
+                                  {"model": "fast", "prompt": "Once upon a time", "max_tokens": 1000})
+            wait_for(lambda: any(s.get("is_processing") for s in backend.server.get_json("/slots")),
+                     what="the request to reach a slot")
+            os.kill(second_pid, signal.SIGKILL)
+            status, _, body = pending.result(timeout=60)
+        assert status == 502 and body["error"]["type"] == "backend_error"
+        wait_for(lambda: backend.state == "ready" and backend.pid != second_pid, timeout=90, what="the restart")
+        assert backend.restarts == 2
     finally:
         service.close()
     assert not _running(old_pid) and not _running(backend.pid)
@@ -433,3 +446,23 @@ def test_cheap_greedy_fields_give_llama_servers_own_greedy_text(serve_home, embe
                 plain = server.post_json("/completion", body | {"temperature": 0, "repeat_penalty": 1.1})
                 assert cheap["tokens_predicted"] == plain["tokens_predicted"] == 24
                 assert cheap["content"] == plain["content"], (extra, prompt)
+
+
+def test_non_streamed_answer_equals_the_streamed_one_with_stops_and_lengths(server):
+    """Non-streamed requests are made in one llama-server call: same text, counts and finish reasons."""
+    api = client(server)
+    prompt = "The history of the printing press"
+    free = api.completions.create(model="fast", prompt=prompt, max_tokens=40).choices[0].text
+    words = free.split(" ")
+    middle = " " + next(w for w in words[len(words) // 2:] if w.strip())  # a word the answer reaches
+    for stop, max_tokens in ((None, 12), ([middle], 40), (["no such words", middle], 40)):
+        whole = api.completions.create(model="fast", prompt=prompt, stop=stop, max_tokens=max_tokens)
+        chunks = list(api.completions.create(model="fast", prompt=prompt, stop=stop, max_tokens=max_tokens,
+                                             stream=True, stream_options={"include_usage": True}))
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert whole.choices[0].text == streamed and streamed, stop
+        assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens, stop
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert whole.choices[0].finish_reason == finish[-1] == ("length" if stop is None else "stop"), stop
+        if stop:
+            assert free.startswith(streamed) and middle not in streamed, stop

@@ -45,6 +45,19 @@ class PreparedPrompt:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """Several generated tokens at once, from a backend that makes a whole answer in one call.
+
+    `stop_reason` is "stop" when the engine itself stopped at one of the prompt's stop strings
+    (its text then leaves the string out); None lets the core decide as for single tokens.
+    """
+
+    text: str
+    tokens: int
+    stop_reason: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineTimings:
     """Timings measured inside the inference engine (no Python overhead)."""
 
@@ -95,8 +108,8 @@ class Backend(Protocol):
     def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         """Turn the request into prompt tokens (chat template, question frame or raw)."""
 
-    def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str]:
-        """Yield the decoded text of each generated token (may be ""); at most max_tokens."""
+    def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str | Chunk]:
+        """Yield the decoded text of each generated token (may be ""), or Chunks; at most max_tokens."""
 
     def engine_timings(self) -> EngineTimings | None:
         """Timings of the last generation as the engine measured them, if it can."""
@@ -143,12 +156,19 @@ def stream_generate(backend: Backend, request: GenerationRequest) -> Iterator[Pi
     last_token_at = start
     n_generated = 0
     stop_reason = "eos"
+    chunked = False  # some tokens came together: no per-token timing for them
     for text in backend.generate(prompt, request):
         now = time.perf_counter()
         if first_token_at is None:
             first_token_at = now
         last_token_at = now
-        n_generated += 1
+        if isinstance(text, Chunk):
+            chunked = True
+            n_generated += text.tokens
+            stop_reason = text.stop_reason or stop_reason
+            text = text.text
+        else:
+            n_generated += 1
         visible, stopped = stopper.feed(text)
         for channel, piece in cleaner.feed(visible):
             yield Piece(piece, channel)
@@ -163,10 +183,11 @@ def stream_generate(backend: Backend, request: GenerationRequest) -> Iterator[Pi
             yield Piece(piece, channel)
     for channel, piece in cleaner.flush():
         yield Piece(piece, channel)
-    yield _stats(backend, prompt, n_prompt, n_generated, start, first_token_at, last_token_at, stop_reason)
+    yield _stats(backend, prompt, n_prompt, n_generated, start, first_token_at, last_token_at, stop_reason, chunked)
 
 
-def _stats(backend, prompt, n_prompt, n_generated, start, first_at, last_at, stop_reason) -> GenerationStats:
+def _stats(backend, prompt, n_prompt, n_generated, start, first_at, last_at, stop_reason,
+           chunked: bool = False) -> GenerationStats:
     first_at = first_at if first_at is not None else last_at
     ttft = first_at - start
     wall = last_at - start
@@ -175,6 +196,11 @@ def _stats(backend, prompt, n_prompt, n_generated, start, first_at, last_at, sto
     engine_decode = None
     if engine and engine.decode_s > 0 and engine.decode_tokens > 0:
         engine_decode = engine.decode_tokens / engine.decode_s
+    decode = (n_generated - 1) / decode_time if n_generated > 1 and decode_time > 0 else 0.0
+    if chunked:
+        # The tokens arrived together: "first token" is the whole answer (what the caller waited
+        # for), and only the engine knows how fast it decoded them.
+        decode = engine_decode or 0.0
     return GenerationStats(
         load_s=backend.load_s,
         ttft_s=ttft,
@@ -182,7 +208,7 @@ def _stats(backend, prompt, n_prompt, n_generated, start, first_at, last_at, sto
         generated_tokens=n_generated,
         prefill_tok_s=n_prompt / ttft if ttft > 0 else 0.0,
         # The first token comes out of prefill; decode speed counts the tokens after it.
-        decode_tok_s=(n_generated - 1) / decode_time if n_generated > 1 and decode_time > 0 else 0.0,
+        decode_tok_s=decode,
         wall_s=wall,
         wall_tok_s=n_generated / wall if wall > 0 else 0.0,
         peak_rss_bytes=peak_rss_bytes(),

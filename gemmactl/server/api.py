@@ -76,7 +76,7 @@ def parse_request(kind: str, body: object, recipe: Recipe) -> Routed:
     stream_options = body.get("stream_options") or {}
     return Routed(
         kind=kind, tier=tier.name, route=chosen,
-        job=Job(request=request, messages=messages, stops=_stops(body.get("stop"))),
+        job=Job(request=request, messages=messages, stops=_stops(body.get("stop")), whole=not body.get("stream", False)),
         stream=bool(body.get("stream", False)),
         include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
         reasoning=body.get("reasoning_format") in SEPARATE_REASONING or body.get("include_reasoning") is True,

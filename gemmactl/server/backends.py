@@ -16,13 +16,16 @@ from pathlib import Path
 
 from gemmactl.errors import BackendError, ServerError
 from gemmactl.prompting import PromptText
-from gemmactl.runtime.base import EngineTimings, GenerationRequest, PreparedPrompt
+from gemmactl.runtime.base import Chunk, EngineTimings, GenerationRequest, PreparedPrompt
 from gemmactl.server.prompts import ModelText, completion_prompt, model_text_from_gguf, render_messages
 
 log = logging.getLogger("gemmactl.serve")
 
 READY, STARTING, RESTARTING, FAILED, STOPPED = "ready", "starting", "restarting", "failed", "stopped"
 RESTART_DELAYS = (0.0, 1.0, 2.0, 5.0, 10.0)  # seconds before each restart attempt; then the backend is failed
+# A non-streamed answer: this many seconds, plus one per token asked for (the streamed path
+# allows 300 s between two tokens).
+WHOLE_ANSWER_TIMEOUT_S = 300
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,9 @@ class Job:
     request: GenerationRequest  # sampling; its prompt is the user's last text (for the core's checks)
     messages: list[dict] | None = None  # chat; None means request.prompt is continued as it is
     stops: tuple[str, ...] = ()
+    # The caller takes the answer at once (a non-streamed request): a backend may make it in one
+    # piece instead of token by token.
+    whole: bool = False
 
     def build(self, model: ModelText) -> PromptText:
         if self.messages is None:
@@ -186,7 +192,10 @@ class ServerSession:
         })["tokens"]
         return PreparedPrompt(tokens=tokens, mode=built.mode, stops=built.stops + self.job.stops, text=built.text)
 
-    def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str]:
+    def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str | Chunk]:
+        if self.job.whole:
+            yield self._whole(prompt, request)
+            return
         payload = {
             "prompt": prompt.tokens, "n_predict": request.max_tokens,
             **self.server.sampling_fields(request.temperature, request.top_k, request.top_p, request.min_p,
@@ -202,6 +211,21 @@ class ServerSession:
                     yield event["content"]
                 return
             yield event.get("content", "")
+
+    def _whole(self, prompt: PreparedPrompt, request: GenerationRequest) -> Chunk:
+        """The answer in one non-streamed /completion: llama-server sends no event per token and
+        stops at the prompt's stop strings itself (its text leaves them out)."""
+        payload = {
+            "prompt": prompt.tokens, "n_predict": request.max_tokens,
+            **self.server.sampling_fields(request.temperature, request.top_k, request.top_p, request.min_p,
+                                          request.repeat_penalty),
+            "seed": -1 if request.seed is None else request.seed, "cache_prompt": True, "stop": list(prompt.stops),
+        }
+        # No event arrives before the end: allow the whole answer's time, as the streamed path allows per token.
+        self.final = self.server.post_json("/completion", payload, timeout=WHOLE_ANSWER_TIMEOUT_S + request.max_tokens)
+        stopped = self.final.get("stop_type") == "word"
+        return Chunk(self.final.get("content", ""), int(self.final.get("tokens_predicted", 0)),
+                     "stop" if stopped else None)
 
     def engine_timings(self) -> EngineTimings | None:
         timings = self.final.get("timings")
