@@ -6,6 +6,7 @@ import pytest
 
 from gemmactl.errors import EmptyPromptError, InvalidOptionError, PromptTooLongError
 from gemmactl.runtime.base import (
+    Chunk,
     EngineTimings,
     GenerationRequest,
     GenerationStats,
@@ -94,6 +95,20 @@ def test_stats_arithmetic():
     assert stats.wall_tok_s == pytest.approx(10 / stats.wall_s)
     assert stats.engine_decode_tok_s == pytest.approx(20.0)
     assert stats.prompt_mode == "completion"
+
+
+def test_a_chunk_counts_its_tokens_and_carries_the_engines_stop():
+    # A whole answer stopped by the engine at a stop string: the text (markup cleaned) once, its
+    # token count, reason "stop", and the engine's decode rate (no per-token timing exists).
+    answer, thinking, stats = collect(ScriptedBackend([Chunk("<|channel>thought\nhm<channel|>Paris", 7, "stop")]),
+                                      max_tokens=50)
+    assert (answer, thinking) == ("Paris", "hm")
+    assert stats.generated_tokens == 7 and stats.stop_reason == "stop"
+    assert stats.decode_tok_s == pytest.approx(10 / 0.5) == stats.engine_decode_tok_s
+    # Ended by its length or by end of generation, as for single tokens.
+    assert collect(ScriptedBackend([Chunk("a b c", 5)]), max_tokens=5)[2].stop_reason == "length"
+    _, _, stats = collect(ScriptedBackend([Chunk("a b", 2)]), max_tokens=5)
+    assert stats.stop_reason == "eos" and stats.generated_tokens == 2
 
 
 def test_prompt_longer_than_context():

@@ -74,10 +74,11 @@ def parse_request(kind: str, body: object, recipe: Recipe) -> Routed:
     if n != 1:
         raise InvalidOptionError("only n=1 is supported")
     stream_options = body.get("stream_options") or {}
+    stream = bool(body.get("stream", False))
     return Routed(
         kind=kind, tier=tier.name, route=chosen,
-        job=Job(request=request, messages=messages, stops=_stops(body.get("stop")), whole=not body.get("stream", False)),
-        stream=bool(body.get("stream", False)),
+        job=Job(request=request, messages=messages, stops=_stops(body.get("stop")), whole=not stream),
+        stream=stream,
         include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
         reasoning=body.get("reasoning_format") in SEPARATE_REASONING or body.get("include_reasoning") is True,
         id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],

@@ -196,15 +196,8 @@ class ServerSession:
         if self.job.whole:
             yield self._whole(prompt, request)
             return
-        payload = {
-            "prompt": prompt.tokens, "n_predict": request.max_tokens,
-            **self.server.sampling_fields(request.temperature, request.top_k, request.top_p, request.min_p,
-                              request.repeat_penalty),
-            "seed": -1 if request.seed is None else request.seed,
-            # Timings on every event: the core may stop reading before the final one (max_tokens, a stop).
-            "cache_prompt": True, "timings_per_token": True,
-        }
-        for event in self.server.stream(payload):
+        # Timings on every event: the core may stop reading before the final one (max_tokens, a stop).
+        for event in self.server.stream(self._payload(prompt, request) | {"timings_per_token": True}):
             self.final = event
             if event.get("stop"):
                 if event.get("content"):
@@ -215,17 +208,20 @@ class ServerSession:
     def _whole(self, prompt: PreparedPrompt, request: GenerationRequest) -> Chunk:
         """The answer in one non-streamed /completion: llama-server sends no event per token and
         stops at the prompt's stop strings itself (its text leaves them out)."""
-        payload = {
-            "prompt": prompt.tokens, "n_predict": request.max_tokens,
-            **self.server.sampling_fields(request.temperature, request.top_k, request.top_p, request.min_p,
-                                          request.repeat_penalty),
-            "seed": -1 if request.seed is None else request.seed, "cache_prompt": True, "stop": list(prompt.stops),
-        }
+        payload = self._payload(prompt, request) | {"stop": list(prompt.stops)}
         # No event arrives before the end: allow the whole answer's time, as the streamed path allows per token.
         self.final = self.server.post_json("/completion", payload, timeout=WHOLE_ANSWER_TIMEOUT_S + request.max_tokens)
         stopped = self.final.get("stop_type") == "word"
         return Chunk(self.final.get("content", ""), int(self.final.get("tokens_predicted", 0)),
                      "stop" if stopped else None)
+
+    def _payload(self, prompt: PreparedPrompt, request: GenerationRequest) -> dict:
+        return {
+            "prompt": prompt.tokens, "n_predict": request.max_tokens, "cache_prompt": True,
+            "seed": -1 if request.seed is None else request.seed,
+            **self.server.sampling_fields(request.temperature, request.top_k, request.top_p, request.min_p,
+                                          request.repeat_penalty),
+        }
 
     def engine_timings(self) -> EngineTimings | None:
         timings = self.final.get("timings")
