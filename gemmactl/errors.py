@@ -47,6 +47,10 @@ class ModelNotFoundError(UserInputError):
     default_hint = "Run `gemmactl list` to see the models in the store, or pass a path to a .gguf file."
 
 
+class WrongModelKindError(UserInputError):
+    """A model reference that names something, but not what the command can use."""
+
+
 class NotAGGUFError(UserInputError):
     default_hint = "Pass a .gguf file (or a store name of one); convert checkpoints with `gemmactl quantize`."
 

@@ -1,9 +1,13 @@
-"""Small file helpers shared by the store, the formats and the toolchain."""
+"""Small file helpers every package shares: checksums, whole-or-nothing writes, and locks."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 _BLOCK = 4 << 20
@@ -32,13 +36,46 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a file so readers see the old or the new content, never half of it."""
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write a file so readers see the old or the new content, never half of it.
+
+    The temporary file sits next to the target (a rename never crosses disks) under a name no
+    other writer uses, and it is removed whatever goes wrong, a full disk included.
+    """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
     fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """atomic_write_bytes for UTF-8 text."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+@contextmanager
+def exclusive_lock(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on lock_path (created if needed) until the block ends.
+
+    Processes that take the same lock run the block one at a time; the lock goes with the
+    process, so a killed holder never leaves it taken.
+    """
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock

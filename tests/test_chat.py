@@ -1,4 +1,4 @@
-"""Tests for gemmactl.chat: markup cleaning, stop strings, chat templates."""
+"""Tests for gemmactl.prompt: markup cleaning, stop strings, chat templates."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import itertools
 
 import pytest
 
-from gemmactl.chat import MarkupCleaner, StopMatcher, render_chat_template, split_thinking
+from gemmactl.prompt.markup import MarkupCleaner, split_thinking
+from gemmactl.prompt.stops import StopMatcher
+from gemmactl.prompt.template import render_chat_template
 from gemmactl.errors import BackendError
 
 MARKERS = ("<|channel>thought", "<channel|>", "<think>", "</think>")

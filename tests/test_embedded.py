@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gemmactl import embedded
-from gemmactl.embedded import (
+from gemmactl.store import embedded
+from gemmactl.store.embedded import (
     EMBEDDED_NAME,
     ensure_embedded_model,
     embedded_path,
@@ -139,7 +139,7 @@ def test_missing_package_raises_with_install_hint(tmp_path, monkeypatch):
 
 _ENSURE = """
 import sys
-from gemmactl.embedded import ensure_embedded_model
+from gemmactl.store.embedded import ensure_embedded_model
 from gemmactl.store import Store
 print(ensure_embedded_model(Store(sys.argv[1])).sha256)
 """

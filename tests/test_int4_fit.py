@@ -24,7 +24,7 @@ from gemmactl.formats.int4.quant import (
 )
 from gemmactl.formats.int4.quantize import quantize_checkpoint
 from gemmactl.formats.int4.reader import open_artifact
-from int4_helpers import make_checkpoint, small_tensors
+from helpers.int4_checkpoints import make_checkpoint, small_tensors
 
 
 def _group_errors(w, importance, group_size, result):

@@ -29,7 +29,7 @@ from gemmactl.formats.int4.spec import (
     unpack_header,
 )
 from gemmactl.formats.int4.writer import Int4ShardWriter, WriterStateError
-from int4_helpers import make_checkpoint, small_tensors
+from helpers.int4_checkpoints import make_checkpoint, small_tensors
 
 # -- bit layout ---------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from gemmactl.formats.int4.layout import QuantizeOptions
 from gemmactl.formats.int4.quant import dequantize_int4, quantize_int4
 from gemmactl.formats.int4.quantize import quantize_checkpoint
 from gemmactl.formats.int4.reader import open_artifact
-from int4_helpers import snap_checkpoint_to_grid
+from helpers.int4_checkpoints import snap_checkpoint_to_grid
 
 PROMPT_IDS = [2, 651, 6037, 576, 573, 3413, 603, 235248, 1000, 44567, 1312, 77, 5001, 9]
 
@@ -67,7 +67,7 @@ def test_a_tiny_gemma4_on_the_int4_grid_decodes_to_the_same_logits_and_tokens(ti
     bit for bit, giving the same logits and the same greedy tokens as the original model."""
     from transformers import AutoModelForCausalLM
 
-    from gemmactl.runtime.int4_backend import build_model
+    from gemmactl.runtime.int4_model import build_model
 
     source = snap_checkpoint_to_grid(tiny_gemma4(kind), tmp_path / "snapped", group_size=32)
     quantize_checkpoint(source, tmp_path / "art", QuantizeOptions(group_size=32))

@@ -32,7 +32,7 @@ def _greedy(model, ids, steps):
 @pytest.mark.parametrize("kind", ["dense-ple", "moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_model_gives_the_dense_models_logits_and_tokens_bit_for_bit(tiny_gemma4, tmp_path, kind, dtype):
-    from gemmactl.runtime.int4_backend import build_model
+    from gemmactl.runtime.int4_model import build_model
     from gemmactl.runtime.int4_packed import PackedEmbedding, PackedLinear, build_packed_model
 
     quantize_checkpoint(tiny_gemma4(kind), tmp_path / "art", QuantizeOptions(group_size=32, embeddings="int8"))

@@ -16,7 +16,7 @@ import torch
 
 from conftest import invoke, run_gemmactl
 from gemmactl.formats.int4.writer import PAUSE_ENV, Int4ShardWriter
-from int4_helpers import make_checkpoint, small_tensors
+from helpers.int4_checkpoints import make_checkpoint, small_tensors
 
 
 def _one_error_line(stderr: str) -> str:
@@ -179,7 +179,7 @@ def test_a_foreign_index_is_not_an_artifact(tmp_path):
 def test_not_a_checkpoint(runner, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    for ref, expected in [(empty, "no config.json"), (tmp_path / "nowhere", "neither a checkpoint directory nor a store entry")]:
+    for ref, expected in [(empty, "no config.json"), (tmp_path / "nowhere", "no such model file or folder")]:
         result = invoke(runner, ["quantize", str(ref), "--int4-stream"])
         assert result.exit_code == 2
         assert expected in _one_error_line(result.stderr)
@@ -212,7 +212,7 @@ def test_existing_output_needs_force_and_a_foreign_folder_is_never_replaced(chec
     [
         ([], "pick an output format: --int4-stream"),
         (["--int4-stream", "--group-size", "48"], "'48' is not one of"),
-        (["--int4-stream", "--shard-size", "lots"], "cannot read 'lots' as a size"),
+        (["--int4-stream", "--shard-size", "lots"], "--shard-size 'lots' is not a size"),
         (["--int4-stream", "--shard-size", "4KiB"], "--shard-size must be at least 1MiB"),
         (["--int4-stream", "--embeddings", "fp8"], "'fp8' is not one of"),
     ],

@@ -12,7 +12,7 @@ from gemmactl.machine import Gpu, Machine
 from gemmactl.plan.inventory import Inventory, LayerInventory
 from gemmactl.plan.model_shape import ModelShape
 from gemmactl.plan.profile import load_profile
-from gemmactl.plan.sizes import parse_size
+from gemmactl.sizes import parse_size
 from gemmactl.plan.solver import Budget, Placement, evaluate, kv_bytes, kv_cells, plan_placement
 
 GiB, MiB = 1 << 30, 1 << 20

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import invoke
+
 from gemmactl.plan.inventory import take_inventory
 from gemmactl.plan.solver import Budget, Placement, evaluate
 
@@ -89,7 +91,7 @@ def test_gguf_inventory_matches_gguf_py(embedded_gguf):
 def test_gguf_type_table_matches_gguf_py():
     from gguf.constants import GGML_QUANT_SIZES
 
-    from gemmactl.plan.gguf_header import GGML_TYPES
+    from gemmactl.formats.gguf_header import GGML_TYPES
 
     for type_id, (_, block, size) in GGML_TYPES.items():
         assert GGML_QUANT_SIZES[type_id] == (block, size)
@@ -146,3 +148,23 @@ def test_header_only_26b_a4b_checkpoint(tmp_path):
     plan = plan_placement(q4, load_profile("desktop-4g"), Budget(8 << 30, 32 << 30), context=8192)
     assert plan.gpu_bytes <= 8 << 30
     assert plan.placement.cpu_expert_layers and all(layer.device == "gpu" for layer in plan.layers)
+
+
+def test_a_config_alone_plans_for_q4_k_m_and_says_so(runner, tmp_path):
+    # The README's example: plan a model from its config.json before downloading a byte of it.
+    from transformers import Gemma4TextConfig
+
+    folder = tmp_path / "gemma-4-26B-A4B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(Gemma4TextConfig(**GEMMA4_26B_A4B).to_dict()))
+    explicit = take_inventory(folder, quant="Q4_K_M")
+    for ref in (folder, folder / "config.json"):
+        result = invoke(runner, ["plan", str(ref), "--vram", "4G", "--ram", "32G", "--json"])
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.stdout)
+        assert data["model"]["source"] == "config" and data["model"]["quantization"] == "Q4_K_M"
+        assert data["model"]["total_bytes"] == explicit.total_bytes
+        assert any("no --quant given: planned for Q4_K_M" in note for note in data["notes"])
+    # --quant still wins, and then no note says it was chosen for the user.
+    data = json.loads(invoke(runner, ["plan", str(folder), "--vram", "4G", "--quant", "Q8_0", "--json"]).stdout)
+    assert data["model"]["quantization"] == "Q8_0" and not any("no --quant" in note for note in data["notes"])

@@ -42,6 +42,43 @@ def test_run_applies_the_plan_when_the_model_does_not_fit(runner, model_home, mo
 
 
 @pytest.mark.real_model
+def test_serve_and_bench_place_the_model_as_run_does(runner, model_home, monkeypatch):
+    """One road: on a GPU the model does not fit, serve's in-process tier and bench load what run loads."""
+    import gemmactl.plan.auto as auto
+    from gemmactl.recipes import parse_recipe
+    from gemmactl.runtime.llamacpp import LlamaCppBackend
+    from gemmactl.server.service import ServeConfig, Service
+    from gemmactl.store import Store
+
+    gpu_machine = Machine("test cpu", 2, [], 32 << 30, "x86_64", gpus=[Gpu(0, "Fake 1 GB", 1024 * MiB, "1", "7.5")])
+    monkeypatch.setattr(auto, "detect_machine", lambda: gpu_machine)
+    monkeypatch.setattr(auto, "gpu_capable_library", lambda store=None: True)
+    monkeypatch.setattr("gemmactl.plan.profile.gpu_free_bytes", lambda index=0: 1000 * MiB)
+    loads = []
+    original = LlamaCppBackend.__init__
+
+    def recording_init(self, model_path, **kwargs):
+        loads.append({key: kwargs.get(key) for key in ("n_gpu_layers", "tensor_overrides", "extra_args")})
+        original(self, model_path, **{**kwargs, "n_gpu_layers": 0})  # this CPU-only library cannot offload
+
+    monkeypatch.setattr(LlamaCppBackend, "__init__", recording_init)
+    assert invoke(runner, ["run", "--max-tokens", "2", "quick: hi"]).exit_code == 0
+    service = Service(ServeConfig(parse_recipe("tiers:\n  fast:\n    model: embedded\n"), port=0), Store(model_home))
+    service.start()
+    try:
+        placement = service.lanes["fast"].snapshot()["placement"]
+    finally:
+        service.close()
+    bench = invoke(runner, ["bench", "--prompts", "short", "--max-tokens", "2", "--repeat", "1", "--json"])
+    assert bench.exit_code == 0, bench.output
+    ran, served, benched = loads[0], loads[1], loads[-1]
+    assert 0 < ran["n_gpu_layers"] < 18 and ran["extra_args"] == {"swa_full": False}  # a real split
+    assert served == ran and benched == ran
+    assert placement.startswith("in process; plan:")
+    assert json.loads(bench.stdout)["manifest"]["settings"]["placement"].startswith("plan:")
+
+
+@pytest.mark.real_model
 def test_run_leaves_a_cpu_machine_alone(runner, model_home, monkeypatch):
     import gemmactl.plan.auto as auto
     from gemmactl.runtime.llamacpp import LlamaCppBackend

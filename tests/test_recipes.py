@@ -402,3 +402,11 @@ def test_backend_sampling_parses_as_a_boolean_and_is_off_by_default():
     assert parse_recipe(MINIMAL + "    backend_sampling: true\n").tiers["fast"].backend_sampling is True
     with pytest.raises(RecipeError, match="backend_sampling"):
         parse_recipe(MINIMAL + "    backend_sampling: gpu\n")
+
+
+def test_one_source_of_sampling_defaults():
+    from gemmactl.runtime.base import GenerationRequest
+
+    request, tier = GenerationRequest(prompt="x"), Sampling()
+    for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "max_tokens"):
+        assert getattr(request, name) == getattr(tier, name), name

@@ -101,6 +101,8 @@ def test_first_run_assembles_the_embedded_model(isolated_home, runner):
         (["run", "--max-tokens", "0", "hello"], "--max-tokens"),
         (["run", "--max-tokens", "-3", "hello"], "--max-tokens"),
         (["run", "--temperature", "-1", "hello"], "--temperature"),
+        (["run", "--temperature", "nan", "hello"], "--temperature"),
+        (["run", "--temperature", "inf", "hello"], "--temperature"),
         (["run", "--model", "/no/such/model.gguf", "hello"], "no such model file"),
         (["run", "--model", "not-in-store", "hello"], "no model named 'not-in-store'"),
         (["run", "--recipe", "no-such-recipe", "hello"], "no recipe 'no-such-recipe'"),

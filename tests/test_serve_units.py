@@ -11,7 +11,9 @@ from gemmactl.errors import InvalidOptionError, UnknownTierError
 from gemmactl.recipes import parse_recipe
 from gemmactl.server.api import parse_request
 from gemmactl.server.lanes import Lane, Saturated, Unavailable
-from gemmactl.server.prompts import ModelText, gguf_metadata, render_messages
+from gemmactl.formats.gguf_header import read_gguf_header
+from gemmactl.prompt.build import ModelText
+from gemmactl.prompt.build import build_prompt as render_messages
 
 RECIPE = parse_recipe("name: two\ntiers:\n  fast:\n    model: embedded\n  deep:\n    model: embedded\n    thinking: false\n")
 BASE = ModelText(None, "<bos>", "<eos>")
@@ -23,9 +25,9 @@ def chat(content: str, **extra) -> dict:
 
 def test_model_names_the_tier_and_prefix_is_stripped():
     routed = parse_request("chat", chat("deep: why is the sky blue?", model="fast"), RECIPE)
-    assert routed.tier == "fast" and routed.job.messages[-1]["content"] == "why is the sky blue?"
+    assert routed.tier == "fast" and routed.request.messages[-1]["content"] == "why is the sky blue?"
     auto = parse_request("chat", chat("think: why is the sky blue?", model="auto"), RECIPE)
-    assert auto.tier == "deep" and auto.job.request.thinking is True and auto.route.prefix == "think:"
+    assert auto.tier == "deep" and auto.request.thinking is True and auto.route.prefix == "think:"
     assert parse_request("chat", chat("hello", model="two"), RECIPE).tier == "fast"  # the recipe's name is auto
     # The last user message decides, not the first.
     body = {"messages": [{"role": "user", "content": "deep: a"}, {"role": "assistant", "content": "b"},
@@ -35,10 +37,10 @@ def test_model_names_the_tier_and_prefix_is_stripped():
 
 def test_request_sampling_overrides_the_tier():
     routed = parse_request("completion", {"prompt": "x", "temperature": 0, "max_tokens": 7, "stop": ["\n"], "seed": 3}, RECIPE)
-    request = routed.job.request
+    request = routed.request
     assert (request.temperature, request.max_tokens, request.seed) == (0, 7, 3)
-    assert routed.job.stops == ("\n",) and routed.job.messages is None
-    assert parse_request("completion", {"prompt": "x"}, RECIPE).job.request.max_tokens == RECIPE.tier("fast").sampling.max_tokens
+    assert routed.request.stops == ("\n",) and routed.request.messages is None
+    assert parse_request("completion", {"prompt": "x"}, RECIPE).request.max_tokens == RECIPE.tier("fast").sampling.max_tokens
 
 
 @pytest.mark.parametrize(("kind", "body", "error", "words"), [
@@ -48,6 +50,9 @@ def test_request_sampling_overrides_the_tier():
     ("chat", chat("deep:   "), InvalidOptionError, "empty after the 'deep:' prefix"),
     ("chat", chat("hi", temperature="hot"), InvalidOptionError, "'temperature' must be a number"),
     ("chat", chat("hi", max_tokens=0), InvalidOptionError, "out of range"),
+    ("chat", chat("hi", temperature=float("nan")), InvalidOptionError, "'temperature' must be a finite number"),
+    ("completion", {"prompt": "x", "top_p": float("inf")}, InvalidOptionError, "'top_p' must be a finite number"),
+    ("completion", {"prompt": "   "}, InvalidOptionError, "the prompt is empty"),
     ("chat", chat("hi", n=2), InvalidOptionError, "n=1"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, InvalidOptionError, "text content"),
     ("completion", {"prompt": [1, 2]}, InvalidOptionError, "'prompt' must be a string"),
@@ -56,6 +61,7 @@ def test_bad_requests(kind, body, error, words):
     with pytest.raises(error) as info:
         parse_request(kind, body, RECIPE)
     assert words in info.value.message
+    assert "--" not in info.value.message and "--" not in (info.value.hint or "")  # HTTP fields, not CLI flags
 
 
 def test_base_model_conversation_keeps_a_stable_prefix():
@@ -129,6 +135,10 @@ def _gguf(path, kv: list[tuple[str, int, bytes]]) -> None:
 
 def _string(text: str) -> bytes:
     return struct.pack("<Q", len(text.encode())) + text.encode()
+
+
+def gguf_metadata(path, keys):
+    return {key: value for key, value in read_gguf_header(path, tensors=False).metadata.items() if key in keys}
 
 
 def test_gguf_metadata_skips_arrays_and_reads_the_template(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gemmactl import store as store_module
+from gemmactl.store import manifest as store_module
 from gemmactl.errors import ModelNotFoundError, StoreEntryNotFoundError, StoreError
 from gemmactl.store import Artifact, Store, directory_size, home_dir
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from gemmactl.fileio import atomic_write_text
+from gemmactl.sizes import format_size
 
 
 @dataclass
@@ -24,10 +26,6 @@ def _ms(seconds: float | None) -> str:
 
 def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
-
-
-def _mb(n: int | None) -> str:
-    return "-" if not n else f"{n / 1e6:,.0f} MB"
 
 
 def _spread(s: dict, fmt) -> str:
@@ -80,7 +78,7 @@ def _speed(result: dict) -> Section:
         rows.append([
             s["target"], s["prompt_set"], str(s["runs"]), f"{s['load_s']:.2f} s",
             f"{s['prompt_tokens']['median']:.0f}", _spread(s["ttft_s"], _ms), _rate(s["prefill_tok_s"]["median"]),
-            _spread(s["decode_tok_s"], _rate), _spread(s["wall_tok_s"], _rate), _mb(s["peak_rss_bytes"]),
+            _spread(s["decode_tok_s"], _rate), _spread(s["wall_tok_s"], _rate), format_size(s["peak_rss_bytes"] or None),
         ])
     checks = result["checks"]
     notes = ["decode tok/s = tokens after the first ÷ time after the first; wall tok/s = all tokens ÷ request → last token."]
@@ -154,7 +152,7 @@ def _concurrency(result: dict) -> Section:
             f"{c['speedup_vs_1']:.2f}×" if "speedup_vs_1" in c else "-",
             f"{lat['p50']:.2f} / {lat['p90']:.2f} / {lat['p99']:.2f} s",
             f"{ttft['p50'] * 1000:,.0f} / {ttft['p90'] * 1000:,.0f} / {ttft['p99'] * 1000:,.0f} ms",
-            _mb(c.get("peak_rss_bytes")),
+            format_size(c.get("peak_rss_bytes") or None),
         ])
     return Section("Concurrency against llama-server (N slots, N clients)",
                    ["clients", "requests", "aggregate tok/s", "vs 1", "latency p50/p90/p99", "TTFT p50/p90/p99", "server RSS"],
@@ -190,9 +188,7 @@ def write_result(result: dict, out_dir: Path) -> Path:
     """result.json in out_dir, written whole or not at all."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "result.json"
-    tmp = path.with_name(f".result.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(result, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(result, indent=2, ensure_ascii=False, default=str) + "\n")
     return path
 
 

@@ -10,7 +10,7 @@ from gemmactl.bench import stats
 from gemmactl.bench.manifest import build_manifest, llama_cpp_identity, load_average, model_identity
 from gemmactl.bench.prompts import LONG_PREFIX, BenchPrompt, load_prompts, long_conversation
 from gemmactl.bench.targets import (
-    COMPARE_TARGETS, OURS, WARMUP_TOKENS, GemmactlTarget, TargetSettings, TargetUnavailable, open_target,
+    COMPARE_CLASSES, COMPARE_TARGETS, ISOLATED, OURS, WARMUP_TOKENS, GemmactlTarget, TargetSettings, TargetUnavailable,
 )
 from gemmactl.errors import InvalidOptionError, NoLlamaBuildError, PromptTooLongError
 from gemmactl.store import Store
@@ -83,7 +83,7 @@ def check_config(config: BenchConfig) -> list[BenchPrompt]:
 
 def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Progress | None = None) -> dict:
     """Measure gemmactl (and each --compare target) and return the result with its manifest."""
-    from gemmactl.oneshot import model_backend, plan_run, resolve_run_model
+    from gemmactl.generate import plan_run, resolve_run_model
     from gemmactl.recipes import resolve_recipe
 
     progress = progress or (lambda message: None)
@@ -94,21 +94,26 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
                     max_tokens=config.max_tokens, temperature=0.0, raw=True)
     # Greedy and unpenalised on every side, so that all targets can produce the same text.
     request = replace(spec.request, repeat_penalty=1.0, seed=0)
-    model_path = resolve_run_model(spec, store)
+    model = resolve_run_model(spec, store)
+    model_path = model.path
     speculative_args, speculative = _speculative(config, spec.tier, store)
-    backend_name = model_backend(model_path, spec.tier.backend)
+    is_gguf = model.format == "gguf"
     needs_server = any(level > 1 for level in config.concurrency)
     server_binary = _server_binary(store, required=needs_server)
     hf_model = _hf_model(config.hf_model, model_path, store)
 
     progress(f"loading {model_path.name}")
-    backend, context_note = _load_fitting(backend_name, model_path, spec.tier.context, request, prompts, config, store)
-
+    backend, context_note = _load_fitting(model, spec.tier.context, request, prompts, config, store)
+    # Every llama.cpp target runs with gemmactl's placement, so they measure the same configuration.
+    placement = backend.placement
     settings = TargetSettings(
-        model_path=str(model_path), is_gguf=model_path.is_file() and backend_name == "llamacpp",
-        context=backend.context_size, threads=getattr(backend, "threads", None) or _threads(),
-        extra_buffers=getattr(backend, "extra_buffers", True), n_gpu_layers=-1, log_dir=log_dir,
-        server_binary=server_binary, hf_model=hf_model,
+        model_path=str(model_path), is_gguf=is_gguf,
+        context=backend.context_size, threads=backend.threads or _threads(),
+        extra_buffers=_extra_buffers() if is_gguf else True,
+        n_gpu_layers=placement.n_gpu_layers if placement else -1,
+        tensor_overrides=placement.tensor_overrides if placement else (),
+        placement_args=placement.llama_server_args if placement else (),
+        log_dir=log_dir, server_binary=server_binary, hf_model=hf_model,
         vram_bytes=config.vram_bytes, speculative_args=speculative_args,
     )
     targets = [GemmactlTarget(backend, request)]
@@ -117,7 +122,7 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
         for name in compare:
             progress(f"loading {name}")
             try:
-                targets.append(open_target(name, settings))
+                targets.append(_open_target(name, settings))
             except TargetUnavailable as exc:
                 skipped.append({"target": name, "reason": str(exc)})
         for target in targets:
@@ -145,14 +150,15 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
 
     manifest = build_manifest(
         store=store,
-        model=model_identity(model_path, store, getattr(backend, "metadata", None)),
-        llama_cpp=llama_cpp_identity(store, getattr(backend, "library", None)),
+        model=model_identity(model_path, store, _gguf_metadata(model_path) if is_gguf else None),
+        llama_cpp=llama_cpp_identity(store, backend.library),
         settings={
             "context": settings.context, "context_note": context_note, "threads": settings.threads,
             "extra_buffers": settings.extra_buffers, "n_gpu_layers": settings.n_gpu_layers,
             "temperature": 0.0, "repeat_penalty": 1.0, "max_tokens": config.max_tokens, "repeat": config.repeat,
             "warmup": f"one untimed {WARMUP_TOKENS}-token request per target after loading",
-            "tier": spec.tier.name, "backend": backend_name, "prompts": [p.name for p in prompts],
+            "tier": spec.tier.name, "backend": backend.name, "prompts": [p.name for p in prompts],
+            **({"placement": placement.reason} if placement else {}),
             **({"speculative": speculative} if speculative else {}),
         },
         flags=config.flags, argv=config.argv, load_at_start=load_at_start,
@@ -171,32 +177,40 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
     }
 
 
+def _open_target(name: str, settings: TargetSettings):
+    """Load one --compare target: llama.cpp ones in this process, torch ones in a worker (bench/isolated.py)."""
+    if name in ISOLATED:
+        from gemmactl.bench.isolated import IsolatedTarget
+
+        return IsolatedTarget(ISOLATED[name], settings)
+    return COMPARE_CLASSES[name](settings)
+
+
 def _speculative(config: BenchConfig, tier, store: Store) -> tuple[tuple[str, ...], dict | None]:
     """llama-server's flags for --draft, built as `gemmactl serve` builds a tier's, and what they mean."""
     if not config.draft:
         return (), None
-    from gemmactl.models import resolve_model_ref
+    from gemmactl.generate import speculative_args
     from gemmactl.recipes import Speculative
-    from gemmactl.server.service import speculative_args as serve_speculative
+    from gemmactl.store.refs import GGUF, resolve_model
 
-    draft_path = resolve_model_ref(config.draft, store)
-    if not draft_path.is_file():
-        raise InvalidOptionError(f"--draft {config.draft} is an int4-stream artifact; llama-server drafts with a GGUF file",
-                                 hint="Pass a .gguf file or the store name of one, with the model's vocabulary.")
+    draft_path = resolve_model(config.draft, store, accept=(GGUF,)).path
     recipe = tier.speculative or Speculative()
     draft_max = config.draft_max or recipe.draft_max
     chosen = Speculative(kind="draft", draft_model=str(draft_path), draft_max=draft_max,
                          draft_min=min(recipe.draft_min, draft_max))
-    args, _ = serve_speculative(replace(tier, speculative=chosen), store, True)
+    args, _ = speculative_args(chosen, store)
     origin = "--draft-max" if config.draft_max else ("the tier's speculative.draft_max" if tier.speculative
                                                      else "the recipe default")
     return args, {"draft": str(draft_path), "draft_max": chosen.draft_max, "draft_min": chosen.draft_min,
                   "draft_max_from": origin, "server_args": list(args)}
 
 
-def _load_fitting(backend_name, model_path, tier_context, request, prompts, config: BenchConfig, store: Store):
+def _load_fitting(model, tier_context, request, prompts, config: BenchConfig, store: Store):
     """gemmactl's backend with a context that holds the longest prompt plus --max-tokens (and why, if raised)."""
-    backend, library = _open(backend_name, model_path, config.context or tier_context, store)
+    from gemmactl.generate import open_backend
+
+    backend = open_backend(model, context=config.context or tier_context, store=store)
     try:
         longest = max(len(backend.prepare(replace(request, prompt=p.text)).tokens) for p in _all_prompts(prompts, config))
     except BaseException:
@@ -213,21 +227,23 @@ def _load_fitting(backend_name, model_path, tier_context, request, prompts, conf
             hint=f"Pass --context {_round_up(needed)} or fewer --max-tokens.",
         )
     note = f"raised from the tier's {backend.context_size} to fit {longest} prompt + {config.max_tokens} tokens"
-    return _open(backend_name, model_path, _round_up(needed), store, library)[0], note
+    # llama_cpp is imported by now with the library chosen for the first load: select_library reuses it.
+    return open_backend(model, context=_round_up(needed), store=store), note
 
 
-def _open(backend_name: str, model_path: Path, context: int, store: Store, library=None):
-    """Load gemmactl's backend for the model, as `run` does (llama.cpp from the active build when it matches)."""
-    from gemmactl.runtime import backend_class
+def _extra_buffers() -> bool:
+    """The extra-buffer choice gemmactl's llama.cpp backend made (the compared llama.cpps make the same)."""
+    import llama_cpp
 
-    options = {}
-    if backend_name == "llamacpp":
-        from gemmactl.llamacpp.library import select_library
+    from gemmactl.runtime.llamacpp import use_extra_buffers
 
-        # Chosen once: after llama_cpp is imported the choice cannot change, only be reused.
-        library = library or select_library(store)
-        options["library"] = library
-    return backend_class(backend_name)(str(model_path), context_size=context, **options), library
+    return use_extra_buffers(llama_cpp)
+
+
+def _gguf_metadata(path: Path) -> dict:
+    from gemmactl.formats.gguf_header import read_gguf_header
+
+    return read_gguf_header(path, tensors=False).metadata
 
 
 def _all_prompts(prompts: list[BenchPrompt], config: BenchConfig) -> list[BenchPrompt]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gemmactl.bench.stats import RequestTiming, acceptance_rate, request_metrics
+from gemmactl.errors import ServerError
 from gemmactl.runtime.base import GenerationRequest, GenerationStats, peak_rss_bytes, stream_generate
 
 COMPARE_TARGETS = ("llama-cpp-python", "llama-server", "hf-generate", "accelerate")
@@ -36,6 +37,8 @@ class TargetSettings:
     extra_buffers: bool
     n_gpu_layers: int
     log_dir: Path
+    tensor_overrides: tuple[str, ...] = ()  # llama.cpp -ot values of gemmactl's placement
+    placement_args: tuple[str, ...] = ()  # the same placement as llama-server flags
     server_binary: Path | None = None
     hf_model: Path | None = None
     vram_bytes: int | None = None
@@ -52,6 +55,58 @@ class Sample:
     engine_decode_tok_s: float | None = None
     cached_tokens: int | None = None
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class ServerReply:
+    """One streamed completion: its timing, text and the server's own counters."""
+
+    timing: RequestTiming
+    text: str
+    final: dict = field(default_factory=dict)
+
+    @property
+    def cached_tokens(self) -> int:
+        return int(self.final.get("timings", {}).get("cache_n", 0))
+
+    @property
+    def engine_decode_tok_s(self) -> float | None:
+        return self.final.get("timings", {}).get("predicted_per_second")
+
+    @property
+    def draft_tokens(self) -> int:
+        """Tokens the draft model proposed for this request (speculative decoding; 0 without it)."""
+        return int(self.final.get("timings", {}).get("draft_n", 0))
+
+    @property
+    def draft_accepted(self) -> int:
+        """Of those, the tokens the model accepted."""
+        return int(self.final.get("timings", {}).get("draft_n_accepted", 0))
+
+
+def complete(server, prompt: str, max_tokens: int, *, cache_prompt: bool, timeout: float = 300) -> ServerReply:
+    """One greedy completion streamed from a LlamaServer, timed as the core times it: request start →
+    first and last token events."""
+    if not server.alive():
+        raise ServerError("llama-server is not running", hint=f"See its log: {server.log_path}")
+    payload = {"prompt": prompt, "n_predict": max_tokens, "cache_prompt": cache_prompt, "seed": 0,
+               **server.sampling_fields(0, 0, 1.0, 0.0, 1.0)}
+    pieces: list[str] = []
+    first = last = None
+    final: dict = {}
+    start = time.perf_counter()
+    for event in server.stream(payload, timeout=timeout):
+        now = time.perf_counter()
+        pieces.append(event.get("content", ""))
+        if event.get("stop"):
+            final = event
+            break
+        # One event per generated token (its text may be "" while a character is incomplete).
+        first = first if first is not None else now
+        last = now
+    generated = int(final.get("tokens_predicted", 0))
+    timing = RequestTiming(start, first, last, int(final.get("tokens_evaluated", 0)), generated)
+    return ServerReply(timing, "".join(pieces), final)
 
 
 class GemmactlTarget:
@@ -85,8 +140,8 @@ class GemmactlTarget:
         return {"peak_rss_bytes": peak_rss_bytes(), "memory_scope": IN_PROCESS_NOTE}
 
     def info(self) -> dict:
-        return {"backend": self.backend.name, "library": getattr(self.backend, "library", None),
-                "threads": getattr(self.backend, "threads", None), "context": self.backend.context_size}
+        return {"backend": self.backend.name, "library": self.backend.library, "threads": self.backend.threads,
+                "context": self.backend.context_size}
 
     def close(self) -> None:
         self.backend.close()
@@ -104,11 +159,12 @@ class LlamaCppPythonTarget:
             raise TargetUnavailable("llama-cpp-python runs GGUF files; this model is not one")
         import llama_cpp
 
-        from gemmactl.runtime.llamacpp import override_model_params
+        from gemmactl.runtime.llamacpp import model_param_fields, override_model_params
 
         start = time.perf_counter()
-        # Same extra-buffer choice as gemmactl: the library's default segfaults on AMX CPUs.
-        with override_model_params(llama_cpp, use_extra_bufts=settings.extra_buffers):
+        # Same extra-buffer choice and placement as gemmactl: the library's default segfaults on AMX CPUs.
+        fields, self._keep = model_param_fields(llama_cpp, settings.extra_buffers, settings.tensor_overrides)
+        with override_model_params(llama_cpp, **fields):
             self.llm = llama_cpp.Llama(
                 model_path=settings.model_path, n_ctx=settings.context, n_gpu_layers=settings.n_gpu_layers,
                 n_threads=settings.threads, n_threads_batch=settings.threads, verbose=False,
@@ -170,6 +226,7 @@ class LlamaServerTarget:
         self.server = LlamaServer(
             settings.server_binary, settings.model_path, threads=settings.threads, context=settings.context,
             parallel=parallel, n_gpu_layers=settings.n_gpu_layers if settings.n_gpu_layers >= 0 else 999,
+            placement=settings.placement_args or None,
             repack=settings.extra_buffers, log_dir=settings.log_dir, extra_args=settings.speculative_args,
         )
         self.speculative = bool(settings.speculative_args)
@@ -177,7 +234,7 @@ class LlamaServerTarget:
         self.load_s = self.server.load_s
 
     def generate(self, prompt: str, max_tokens: int, cache: str = "off", timeout: float = 300) -> Sample:
-        reply = self.server.complete(prompt, max_tokens, cache_prompt=cache != "off", timeout=timeout)
+        reply = complete(self.server, prompt, max_tokens, cache_prompt=cache != "off", timeout=timeout)
         extra = {}
         if self.speculative:
             extra = {"draft_tokens": reply.draft_tokens, "draft_accepted": reply.draft_accepted,
@@ -317,13 +374,3 @@ COMPARE_CLASSES = {
 
 # Targets that import torch run in a worker process (see gemmactl/bench/isolated.py).
 ISOLATED = {"hf-generate": "HfGenerateTarget", "accelerate": "AccelerateTarget"}
-
-
-def open_target(name: str, settings: TargetSettings):
-    """Load one --compare target: llama.cpp ones in this process, torch ones in a worker."""
-    if name in ISOLATED:
-        from gemmactl.bench.isolated import IsolatedTarget
-
-        return IsolatedTarget(ISOLATED[name], settings)
-    return COMPARE_CLASSES[name](settings)
-

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from gemmactl.cli.output import emit_json, progress_enabled
+from gemmactl.cli.types import FiniteFloatRange
 
 
 @click.command("bench")
@@ -30,7 +31,7 @@ from gemmactl.cli.output import emit_json, progress_enabled
 @click.option("--draft-max", "draft_max", type=click.IntRange(min=1), metavar="N",
               help="Most tokens the draft proposes per step (default: the tier's speculative draft_max, else 8).")
 @click.option("--context", type=click.IntRange(min=128), metavar="N", help="Context size (default: the tier's, raised to fit the prompts).")
-@click.option("--timeout", "timeout", type=click.FloatRange(min=1), default=600, show_default=True, metavar="S",
+@click.option("--timeout", "timeout", type=FiniteFloatRange(min=1), default=600, show_default=True, metavar="S",
               help="Time limit in seconds for each concurrency level.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the whole result as one JSON object.")
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), metavar="DIR", help="Write result.json (and plot.png) here.")
@@ -60,9 +61,9 @@ def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_pr
         raise InvalidOptionError("--plot writes plot.png into --out DIR", hint="Pass --out DIR as well.")
     vram_bytes = None
     if vram:
-        from gemmactl.quantize import parse_size
+        from gemmactl.sizes import parse_size
 
-        vram_bytes = parse_size(vram)
+        vram_bytes = parse_size(vram, option="--vram")
     ctx = click.get_current_context()
     config = BenchConfig(
         recipe=recipe, model=model, tier=tier, prompts=prompts, max_tokens=max_tokens,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from gemmactl.cli.output import emit_json, human_bytes
+from gemmactl.cli.output import emit_json
+from gemmactl.sizes import format_size
 
 
 @click.command("doctor")
@@ -18,25 +19,26 @@ def doctor(no_proof: bool, model: str | None, json_mode: bool) -> None:
     short inference of the embedded model with all layers offloaded, read from llama.cpp's own log.
     A CPU-only build on a GPU machine, or layers that stayed on the CPU, is a warning with the fix.
     """
+    from gemmactl.generate import open_model
     from gemmactl.llamacpp.doctor import run_doctor
+    from gemmactl.runtime.base import GpuPlacement
     from gemmactl.store import Store
 
-    if model:
-        from pathlib import Path
-
-        from gemmactl.models import check_gguf_path
-
-        model = str(check_gguf_path(Path(model).expanduser()))
-    report = run_doctor(Store(), prove=not no_proof, model_path=model)
+    store = Store()
+    proof = None
+    if not no_proof:
+        proof = open_model(model or "embedded", store, accept=("gguf",), context=512,
+                           placement=GpuPlacement.all_on_gpu("doctor: every layer offered to the GPU"))
+    report = run_doctor(store, proof_backend=proof)
     if json_mode:
         emit_json(report.to_dict())
         return
     m = report.machine
     click.echo(f"CPU      {m.cpu_model} ({m.cpu_cores} cores, {m.arch}); features: {' '.join(m.to_dict()['cpu_flags'])}")
-    click.echo(f"RAM      {human_bytes(m.ram_bytes)}")
+    click.echo(f"RAM      {format_size(m.ram_bytes)}")
     if m.gpus:
         for gpu in m.gpus:
-            click.echo(f"GPU {gpu.index}    {gpu.name}, {human_bytes(gpu.memory_bytes)}, driver {gpu.driver}, compute {gpu.compute_cap}")
+            click.echo(f"GPU {gpu.index}    {gpu.name}, {format_size(gpu.memory_bytes)}, driver {gpu.driver}, compute {gpu.compute_cap}")
     else:
         click.echo("GPU      none found (nvidia-smi)")
     click.echo(f"CUDA     {'nvcc ' + m.cuda_toolkit if m.cuda_toolkit else 'no toolkit (nvcc)'}")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from gemmactl.cli.output import byte_progress, emit_json, human_bytes, progress_enabled, table
+from gemmactl.cli.output import byte_progress, emit_json, progress_enabled, table
+from gemmactl.sizes import format_size
 
 
 @click.command("inspect")
@@ -17,12 +18,13 @@ def inspect_cmd(artifact, verify, json_mode):
     ARTIFACT is a store name or an artifact directory. The table lists each layer's tensors,
     parameters, stored bytes and compression against bf16.
     """
-    from gemmactl.artifacts import resolve_artifact, summarize
     from gemmactl.errors import ArtifactCorruptError
     from gemmactl.formats.int4.reader import open_artifact
+    from gemmactl.formats.int4.summary import summarize
     from gemmactl.store import Store
+    from gemmactl.store.refs import ARTIFACTS, resolve_model
 
-    opened = open_artifact(resolve_artifact(artifact, Store()))
+    opened = open_artifact(resolve_model(artifact, Store(), accept=ARTIFACTS).path)
     summary = summarize(opened)
     mismatches = None
     if verify:
@@ -50,7 +52,7 @@ def _summary_text(s: dict) -> str:
         f"format {s['format']} v{s['version']} · model {s['model_type']} · source {source.get('model', '?')}{revision}",
         f"scheme {scheme.get('name')} ({_policy(scheme)}) · {s['shards']} shard(s) · "
         f"{s['tensors']} tensors in {s['records']} records",
-        f"size {human_bytes(s['size_bytes'])} · bf16 {human_bytes(s['bf16_bytes'])} · "
+        f"size {format_size(s['size_bytes'])} · bf16 {format_size(s['bf16_bytes'])} · "
         f"{s['compression']:.2f}× smaller · {s['bits_per_param']:.2f} bits/param",
         "",
     ]
@@ -60,8 +62,8 @@ def _summary_text(s: dict) -> str:
             str(row["tensors"]),
             str(row["experts"] or "-"),
             f"{row['params']:,}",
-            human_bytes(row["stored_bytes"]),
-            human_bytes(row["bf16_bytes"]),
+            format_size(row["stored_bytes"]),
+            format_size(row["bf16_bytes"]),
             f"{row['compression']:.2f}×" if row["compression"] else "-",
             " ".join(f"{k}:{v}" for k, v in sorted(row["schemes"].items())),
         ]

@@ -47,17 +47,6 @@ def byte_progress(description: str, enabled: bool) -> Iterator:
         bar.close()
 
 
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{n} B"
-
-
 def table(rows: list[list[str]], headers: list[str]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
     lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [headers, *rows]]

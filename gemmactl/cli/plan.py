@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from gemmactl.cli.output import emit_json, table, warn
+from gemmactl.sizes import format_size
 
 
 @click.command("plan")
@@ -14,7 +15,7 @@ from gemmactl.cli.output import emit_json, table, warn
 @click.option("--context", type=int, default=8192, show_default=True, metavar="N", help="Context length in tokens, per sequence.")
 @click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True, metavar="N", help="Sequences served at once (each gets --context).")
 @click.option("--backend", type=click.Choice(["llamacpp", "int4"]), default="llamacpp", show_default=True, help="Runtime the plan is for.")
-@click.option("--quant", metavar="TYPE", help="For a checkpoint or a config-only folder: the quantization to plan for (Q4_K_M, Q8_0, BF16, int4-g32, ...).")
+@click.option("--quant", metavar="TYPE", help="For a checkpoint or a config-only folder: the quantization to plan for (Q4_K_M, Q8_0, BF16, int4-g32, ...; a config alone defaults to Q4_K_M).")
 @click.option("--hardware", metavar="PROFILE", help="Plan for a shipped hardware profile (desktop-4g, dgx-spark) instead of this machine.")
 @click.option("--profile", "remeasure", is_flag=True, help="Measure this machine again instead of using the cached profile.")
 @click.option("--verify", is_flag=True, help="Run a short real decode with the plan and compare it with the prediction.")
@@ -24,7 +25,8 @@ def plan(model, vram, ram, context, parallel, backend, quant, hardware, remeasur
     """Place a model's layers under a VRAM budget and predict its speed.
 
     MODEL is a store name, a .gguf file, an int4-stream folder, a Hugging Face checkpoint folder,
-    or a folder holding only config.json (then pass --quant). Only headers are read.
+    or a folder holding only config.json, or that config.json (planned at Q4_K_M unless --quant
+    says otherwise). Only headers are read.
 
     SIZE units are binary: 4G = 4GB = 4GiB = 4096M = 4 × 1024³ bytes; 3.5G works too.
 
@@ -46,9 +48,16 @@ def plan(model, vram, ram, context, parallel, backend, quant, hardware, remeasur
         warn(message)
     verified = None
     if verify:
-        from gemmactl.plan.verify import verify_plan
+        from functools import partial
 
-        verified = verify_plan(result.plan, result.model_path)
+        from gemmactl.generate import open_backend
+        from gemmactl.plan.verify import verify_plan
+        from gemmactl.store import Store
+        from gemmactl.store.refs import GGUF, resolve_model
+
+        store = Store()
+        model = resolve_model(str(result.model_path), store, accept=(GGUF,))
+        verified = verify_plan(result.plan, partial(open_backend, model, store=store), store=store)
     data = plan_dict(result.plan, result, verified)
     if out:
         import json
@@ -73,10 +82,6 @@ def plan(model, vram, ram, context, parallel, backend, quant, hardware, remeasur
         )
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 def render(data: dict) -> str:
     """The plan as a person reads it: budget, totals, per-layer table, prediction, arguments."""
     hw, budget, totals, pred = data["hardware"], data["budget"], data["totals"], data["predicted"]
@@ -84,7 +89,7 @@ def render(data: dict) -> str:
         f"model: {data['model']['path']} ({data['model']['architecture']}, {data['model']['quantization']}, "
         f"{data['model']['layers']} layers, from {data['model']['source']})",
         f"hardware: {hw['name']} — {hw['description']}",
-        f"budget: VRAM {_gib(budget['vram_bytes'])}, RAM {_gib(budget['ram_bytes'])}; context {data['context']} × {data['parallel']}",
+        f"budget: VRAM {format_size(budget['vram_bytes'])}, RAM {format_size(budget['ram_bytes'])}; context {data['context']} × {data['parallel']}",
         "",
     ]
     rows = []
@@ -102,10 +107,10 @@ def render(data: dict) -> str:
     gpu, cpu = totals["gpu"], totals["cpu"]
     lines += [
         "",
-        f"GPU: {_gib(totals['gpu_bytes'])} of {_gib(budget['vram_bytes'])} (weights {_gib(gpu['weights'])}, KV {_gib(gpu['kv'])}, "
-        f"compute {_gib(gpu['compute'])}, reserve {_gib(gpu['reserve'])})",
-        f"RAM: {_gib(totals['cpu_bytes'])} of {_gib(budget['ram_bytes'])} (weights {_gib(cpu['weights'])}, KV {_gib(cpu['kv'])}, "
-        f"compute {_gib(cpu['compute'])})",
+        f"GPU: {format_size(totals['gpu_bytes'])} of {format_size(budget['vram_bytes'])} (weights {format_size(gpu['weights'])}, KV {format_size(gpu['kv'])}, "
+        f"compute {format_size(gpu['compute'])}, reserve {format_size(gpu['reserve'])})",
+        f"RAM: {format_size(totals['cpu_bytes'])} of {format_size(budget['ram_bytes'])} (weights {format_size(cpu['weights'])}, KV {format_size(cpu['kv'])}, "
+        f"compute {format_size(cpu['compute'])})",
         f"predicted: decode {pred['decode_tok_s']:.1f} tok/s, time to first token {pred['ttft_s']:.3f} s "
         f"({pred['prompt_tokens']}-token prompt)",
         f"llama.cpp: {' '.join(data['llama_cpp_args']['argv'])}",
@@ -116,7 +121,7 @@ def render(data: dict) -> str:
         v = data["verify"]
         lines.append(
             f"verify: measured decode {v['measured_decode_tok_s']:.1f} tok/s vs predicted {v['predicted_decode_tok_s']:.1f} "
-            f"({v['ratio']:.2f}×); peak GPU memory {_gib(v['peak_gpu_bytes'])} of {_gib(budget['vram_bytes'])} "
+            f"({v['ratio']:.2f}×); peak GPU memory {format_size(v['peak_gpu_bytes'])} of {format_size(budget['vram_bytes'])} "
             f"({'within' if v['within_budget'] else 'OVER'} budget)"
         )
     return "\n".join(lines)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from gemmactl.cli.output import emit_json, human_bytes, progress_enabled, table
+from gemmactl.cli.output import emit_json, progress_enabled, table
+from gemmactl.sizes import format_size
 
 
 @click.command("pull")
@@ -32,7 +33,7 @@ def pull_cmd(repo_id, revision, include, exclude, quant, token, dry_run, offline
       gemmactl pull unsloth/gemma-4-E2B-it-GGUF --quant Q8_0
       gemmactl pull google/gemma-4-E2B-it --offline
     """
-    from gemmactl.hub import plan_pull, pull, verify_pull
+    from gemmactl.hub.pull import plan_pull, pull, verify_pull
 
     if dry_run and verify:
         raise click.UsageError("--dry-run and --verify do not go together")
@@ -55,7 +56,7 @@ def pull_cmd(repo_id, revision, include, exclude, quant, token, dry_run, offline
         else:
             click.echo(
                 f"Verified {len(checked)} files of {plan.repo_id} at {plan.commit[:12]} "
-                f"({human_bytes(plan.total)}): every checksum matches."
+                f"({format_size(plan.total)}): every checksum matches."
             )
     else:
         result = pull(plan, token=token, progress=progress_enabled(json_mode))
@@ -65,8 +66,8 @@ def pull_cmd(repo_id, revision, include, exclude, quant, token, dry_run, offline
                        "files": files, "downloaded": result.downloaded, "verified": True})
         else:
             click.echo(
-                f"Pulled {plan.repo_id} at {plan.commit[:12]}: {len(plan.files)} files, {human_bytes(plan.total)} "
-                f"(downloaded {human_bytes(result.downloaded)}), checksums verified."
+                f"Pulled {plan.repo_id} at {plan.commit[:12]}: {len(plan.files)} files, {format_size(plan.total)} "
+                f"(downloaded {format_size(result.downloaded)}), checksums verified."
             )
             click.echo(f"Store name: {result.artifact.name}")
             click.echo(f"Path: {result.artifact.path}")
@@ -74,7 +75,7 @@ def pull_cmd(repo_id, revision, include, exclude, quant, token, dry_run, offline
 
 def _dry_run(plan, json_mode: bool) -> None:
     """Show what a pull would take; refuse (after showing it) when the disk lacks room."""
-    from gemmactl.hub import check_disk_space, file_states, free_bytes, missing_bytes
+    from gemmactl.hub.pull import check_disk_space, file_states, free_bytes, missing_bytes
 
     states = file_states(plan)
     needed, free = missing_bytes(states), free_bytes(plan.cache.cache_dir)
@@ -89,11 +90,11 @@ def _dry_run(plan, json_mode: bool) -> None:
             plan.selection.kind, "files named by --include"
         )
         click.echo(f"{plan.repo_id} at {plan.commit[:12]} ({kind}) into {plan.cache.cache_dir}")
-        rows = [[s.file.name, human_bytes(s.file.size), _cache_state(s)] for s in states]
+        rows = [[s.file.name, format_size(s.file.size), _cache_state(s)] for s in states]
         click.echo(table(rows, ["FILE", "SIZE", "IN CACHE"]))
         click.echo(
-            f"Total {human_bytes(plan.total)} in {len(states)} files; to download {human_bytes(needed)}; "
-            f"free {human_bytes(free)}."
+            f"Total {format_size(plan.total)} in {len(states)} files; to download {format_size(needed)}; "
+            f"free {format_size(free)}."
         )
     check_disk_space(plan, states)
 

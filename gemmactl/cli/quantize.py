@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from gemmactl.cli.output import byte_progress, emit_json, human_bytes, progress_enabled
+from gemmactl.cli.output import byte_progress, emit_json, progress_enabled
+from gemmactl.sizes import format_size
 
 # flag name → the format it writes; the command refuses zero or several.
 MODES = {"int4_stream": "--int4-stream", "gguf": "--gguf TYPE"}
@@ -47,8 +48,9 @@ def quantize(model, int4_stream, gguf_type, out, imatrix, calibration, group_siz
         return
     if imatrix:
         raise click.UsageError("--imatrix goes with --gguf (--int4-stream takes --calibration TEXTFILE)", ctx=click.get_current_context())
-    from gemmactl.quantize import parse_size, quantize_int4_stream
+    from gemmactl.sizes import parse_size
     from gemmactl.store import Store
+    from gemmactl.store.quantize import quantize_int4_stream
 
     with byte_progress("quantizing", progress_enabled(json_mode)) as progress:
         artifact, result = quantize_int4_stream(
@@ -56,7 +58,7 @@ def quantize(model, int4_stream, gguf_type, out, imatrix, calibration, group_siz
             store=Store(),
             out=out,
             group_size=int(group_size),
-            shard_size=parse_size(shard_size),
+            shard_size=parse_size(shard_size, option="--shard-size"),
             embeddings=embeddings,
             sensitive=sensitive,
             calibration=calibration,
@@ -87,7 +89,7 @@ def quantize(model, int4_stream, gguf_type, out, imatrix, calibration, group_siz
     )
     click.echo(f"  {artifact.path}")
     click.echo(
-        f"  {human_bytes(report['size_bytes'])} in {shards} shard{'s' if shards != 1 else ''}{reused}, "
+        f"  {format_size(report['size_bytes'])} in {shards} shard{'s' if shards != 1 else ''}{reused}, "
         f"{report['compression']:.2f}× smaller than bf16, {report['tensors']} tensors, {result.seconds:.1f} s"
     )
     click.echo(f"Run it: gemmactl run --model {artifact.name} \"...\"")
@@ -109,30 +111,26 @@ def _quantize_gguf(model, gguf_type, out, imatrix, calibration, force, json_mode
     import sys
     import time
 
-    from gemmactl.formats.gguf import normalize_type, plan_output, quantize_to_gguf, require_build, resolve_checkpoint
+    from gemmactl.llamacpp.build import require_build
     from gemmactl.store import Store
+    from gemmactl.store.quantize import plan_gguf, quantize_gguf
 
     if imatrix and calibration:
         raise click.UsageError("pass --imatrix or --calibration, not both", ctx=click.get_current_context())
-    quant = normalize_type(gguf_type)
     store = Store()
-    checkpoint = resolve_checkpoint(model, store)
-    build = require_build(store)
-    name, out_path = plan_output(checkpoint, quant, store, out, force)
+    job = plan_gguf(model, gguf_type, store, out, force)
+    build = require_build(store, "quantize --gguf (its converter and llama-quantize)")
 
     def progress(step: str, elapsed: float) -> None:
         if not json_mode:
             click.echo(f"[{step} {int(elapsed) // 60:02d}:{int(elapsed) % 60:02d}]", err=True)
 
     start = time.monotonic()
-    artifact = quantize_to_gguf(
-        checkpoint, quant, build, store, name=name, out_path=out_path,
-        imatrix=imatrix, calibration=calibration, progress=progress,
-    )
+    artifact = quantize_gguf(job, build, store, imatrix=imatrix, calibration=calibration, progress=progress)
     if json_mode:
         emit_json(artifact.to_dict())
         return
-    click.echo(f"Quantized {model} → {artifact.name} ({quant}, {human_bytes(artifact.size)}) in {time.monotonic() - start:.0f} s")
+    click.echo(f"Quantized {model} → {artifact.name} ({job.quant}, {format_size(artifact.size)}) in {time.monotonic() - start:.0f} s")
     click.echo(f"  {artifact.path}")
     click.echo(f"Run it: gemmactl run --model {artifact.name} \"...\"")
     sys.stdout.flush()

@@ -6,7 +6,9 @@ import sys
 
 import click
 
-from gemmactl.cli.output import byte_progress, emit_json, human_bytes, progress_enabled, warn
+from gemmactl.cli.output import byte_progress, emit_json, progress_enabled, warn
+from gemmactl.cli.types import NON_NEGATIVE
+from gemmactl.sizes import format_size
 
 
 @click.command("run")
@@ -15,7 +17,7 @@ from gemmactl.cli.output import byte_progress, emit_json, human_bytes, progress_
 @click.option("--model", "model", metavar="REF", help="A .gguf file, an int4-stream folder, or a store name, instead of the tier's model.")
 @click.option("--recipe", "recipe", metavar="FILE|NAME", help="Recipe of tiers (default: built-in 'default', or $GEMMACTL_RECIPE).")
 @click.option("--max-tokens", type=click.IntRange(min=1), metavar="N", help="Most tokens to generate (default: the tier's).")
-@click.option("--temperature", type=click.FloatRange(min=0.0), metavar="T", help="Sampling temperature; 0 is greedy (default: the tier's).")
+@click.option("--temperature", type=NON_NEGATIVE, metavar="T", help="Sampling temperature; 0 is greedy (default: the tier's).")
 @click.option("--seed", type=int, metavar="N", help="Seed for sampling, for repeatable output.")
 @click.option("--show-thinking", is_flag=True, help="Also print what the model thinks before answering.")
 @click.option("--raw", is_flag=True, help="Send the prompt as is: no chat template, no question frame.")
@@ -34,9 +36,9 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, show_thinkin
       gemmactl run "quick: What is the capital of France?"
       echo "deep: prove that sqrt(2) is irrational" | gemmactl run --stats
     """
-    from gemmactl.oneshot import open_backend, plan_run, resolve_run_model
+    from gemmactl.generate import open_backend, plan_run, resolve_run_model, stream_generate
     from gemmactl.recipes import resolve_recipe
-    from gemmactl.runtime.base import GenerationStats, stream_generate
+    from gemmactl.runtime.base import GenerationStats
     from gemmactl.store import Store
 
     text = " ".join(prompt) if prompt else _read_stdin()
@@ -52,10 +54,10 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, show_thinkin
     )
     store = Store()
     with byte_progress("assembling the embedded model", progress_enabled(json_mode)) as progress:
-        model_path = resolve_run_model(spec, store, progress=progress)
-    backend = open_backend(spec, model_path, store)
-    for notice in getattr(backend, "notices", []):
-        if not json_mode:
+        resolved = resolve_run_model(spec, store, progress=progress)
+    backend = open_backend(resolved, context=spec.tier.context, store=store)
+    if not json_mode:
+        for notice in backend.notices:
             warn(notice)
     try:
         answer, thinking, final = [], [], None
@@ -86,16 +88,16 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, show_thinkin
                 },
                 "model": {
                     "ref": spec.model_ref,
-                    "path": str(model_path),
+                    "path": str(resolved.path),
                     "backend": backend.name,
-                    "library": getattr(backend, "library", None),
+                    "library": backend.library,
                 },
-                "notices": getattr(backend, "notices", []),
+                "notices": backend.notices,
                 "stats": final.to_dict(),
             }
         )
     if stats:
-        click.echo(_stats_text(spec, model_path, final, backend), err=True)
+        click.echo(_stats_text(spec, resolved.path, final, backend), err=True)
 
 
 def _read_stdin() -> str:
@@ -149,15 +151,15 @@ def _stats_text(spec, model_path, s, backend) -> str:
     lines = [
         f"route: tier {route.tier} ({route.reason}), thinking {thinking}",
         f"model: {spec.model_ref} ({model_path}) on {backend.name}"
-        + (f", {backend.threads} threads" if getattr(backend, "threads", None) else "")
-        + (f", library: {backend.library}" if getattr(backend, "library", None) else "")
+        + (f", {backend.threads} threads" if backend.threads else "")
+        + (f", library: {backend.library}" if backend.library else "")
         + f", prompt mode {s.prompt_mode}",
         f"load {s.load_s:.2f} s · ttft {s.ttft_s:.3f} s · prompt {s.prompt_tokens} tok "
         f"({s.prefill_tok_s:.1f} tok/s) · generated {s.generated_tokens} tok · "
         f"decode {s.decode_tok_s:.1f} tok/s · wall {s.wall_tok_s:.1f} tok/s · "
-        f"peak RSS {human_bytes(s.peak_rss_bytes)} · stop: {s.stop_reason}",
+        f"peak RSS {format_size(s.peak_rss_bytes)} · stop: {s.stop_reason}",
     ]
-    placement = getattr(backend, "placement", None)
+    placement = backend.placement
     if placement is not None and placement.applied:
         lines.append(f"placement: {placement.reason}; llama.cpp {' '.join(placement.server_args)}")
     return "\n".join(lines)

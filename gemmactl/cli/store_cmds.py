@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from gemmactl.cli.output import emit_json, human_bytes, table
+from gemmactl.cli.output import emit_json, table
+from gemmactl.sizes import format_size
 
 
 @click.command("list")
@@ -26,7 +27,7 @@ def list_cmd(json_mode: bool) -> None:
         click.echo(f"The store at {store.home} is empty. `gemmactl run` adds the embedded model on first use.")
         return
     rows = [
-        [a.name, a.format, human_bytes(a.size), a.source, (a.revision or "")[:12], a.created[:19].replace("T", " ")]
+        [a.name, a.format, format_size(a.size), a.source, (a.revision or "")[:12], a.created[:19].replace("T", " ")]
         for a in artifacts
     ]
     click.echo(table(rows, ["NAME", "FORMAT", "SIZE", "SOURCE", "REVISION", "CREATED"]))
@@ -56,15 +57,15 @@ def rm_cmd(name: str, yes: bool, purge: bool, json_mode: bool) -> None:
                 f"refusing to remove '{name}' without confirmation", hint="Pass --yes to remove it."
             )
         also = " and purge its Hugging Face cache files" if purge else ""
-        click.confirm(f"Remove '{name}' ({human_bytes(artifact.size)}, {artifact.path}){also}?", abort=True)
+        click.confirm(f"Remove '{name}' ({format_size(artifact.size)}, {artifact.path}){also}?", abort=True)
     removed = store.remove(name)
     purged = None
     if purge:
-        from gemmactl.hub_cache import purge_pull
+        from gemmactl.hub.cache import purge_pull
 
         purged = purge_pull(removed.extra, removed.revision, [(a.revision, a.extra) for a in store.list()])
     if json_mode:
         emit_json({"removed": removed.to_dict(), **({"purged": vars(purged)} if purged else {})})
     else:
-        freed = f"; purged {purged.files} cache files ({human_bytes(purged.bytes)})" if purged else ""
-        click.echo(f"Removed {name} ({human_bytes(removed.size)}){freed}.")
+        freed = f"; purged {purged.files} cache files ({format_size(purged.bytes)})" if purged else ""
+        click.echo(f"Removed {name} ({format_size(removed.size)}){freed}.")

@@ -1,17 +1,19 @@
-"""On-disk model formats gemmactl reads and writes, and how to tell them apart cheaply."""
+"""On-disk model formats gemmactl reads and writes, and how to tell them apart cheaply.
+
+Formats produce and read files; they never touch the store (the command that made a file
+registers it).
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-# format name (as the store records it) → package that implements it; imported on use.
-FORMATS = {
-    "int4-stream": "gemmactl.formats.int4",
-}
+from gemmactl.formats.gguf_header import is_gguf
 
-GGUF_MAGIC = b"GGUF"
 INT4_STREAM_FORMAT = "gemmactl-int4-stream"  # the `format` field of an int4-stream index.json
+# The names detect_format gives, as the store records them.
+GGUF, INT4_STREAM, CHECKPOINT = "gguf", "int4-stream", "hf"
 
 
 def is_int4_stream_dir(path: Path) -> bool:
@@ -34,12 +36,10 @@ def is_int4_stream_dir(path: Path) -> bool:
 
 
 def detect_format(path: Path) -> str | None:
-    """"gguf", "int4-stream" or None, judged from magic bytes and index files only."""
+    """"gguf", "int4-stream", "hf" (a folder with a config.json) or None, from magic bytes and file names only."""
     path = Path(path)
     if path.is_dir():
-        return "int4-stream" if is_int4_stream_dir(path) else None
-    try:
-        with open(path, "rb") as handle:
-            return "gguf" if handle.read(4) == GGUF_MAGIC else None
-    except OSError:
-        return None
+        if is_int4_stream_dir(path):
+            return INT4_STREAM
+        return CHECKPOINT if (path / "config.json").is_file() else None
+    return GGUF if is_gguf(path) else None

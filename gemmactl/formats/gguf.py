@@ -1,8 +1,9 @@
-"""HF checkpoint → GGUF: llama.cpp's converter, then llama-quantize, then the store.
+"""HF checkpoint → GGUF: llama.cpp's converter, then llama-quantize.
 
 The converter is the `convert_hf_to_gguf.py` of the active build's own source tree (run with that
 tree's gguf-py), so the file it writes is one that build reads. Intermediates live in a temporary
 folder next to the output and are removed whatever happens; the output appears only complete.
+Registering the file in the store is the quantize command's job (gemmactl/store/quantize.py).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from gemmactl.errors import BuildError, InvalidOptionError, ModelNotFoundError, UnsupportedModelError
+from gemmactl.errors import BuildError, InvalidOptionError, UnsupportedModelError
 from gemmactl.fileio import sha256_file
-from gemmactl.llamacpp.build import BuildManifest
-from gemmactl.store import Artifact, Store
+
+if TYPE_CHECKING:  # the build is passed in; formats never look it up
+    from gemmactl.llamacpp.build import BuildManifest
 
 # llama-quantize's types that make sense for Gemma (F16/BF16 skip quantization altogether).
 GGUF_TYPES = (
@@ -40,14 +42,14 @@ Progress = Callable[[str, float], None]  # (step, elapsed seconds)
 
 
 @dataclass(frozen=True)
-class Checkpoint:
-    """An HF checkpoint directory and where it came from."""
+class GgufResult:
+    """A GGUF written by quantize_to_gguf: where, its checksum, how it was made."""
 
     path: Path
-    name: str  # short name, e.g. "gemma-4-E2B-it"
-    source: str
-    revision: str | None
-    architecture: str
+    sha256: str
+    quant: str
+    imatrix: str | None  # the importance matrix used: a file, or "calibration:TEXTFILE"
+    seconds: float
 
 
 def normalize_type(name: str) -> str:
@@ -58,55 +60,33 @@ def normalize_type(name: str) -> str:
     return upper
 
 
-def resolve_checkpoint(ref: str, store: Store) -> Checkpoint:
-    """A checkpoint directory, or a store entry of format "hf"; checks the architecture."""
-    artifact = store.get(ref)
-    if artifact is not None:
-        if artifact.format != "hf":
-            raise InvalidOptionError(f"'{ref}' is a {artifact.format} artifact, not an HF checkpoint")
-        path, source, revision = Path(artifact.path), artifact.source, artifact.revision
-    else:
-        path, source, revision = Path(ref).expanduser(), f"dir:{Path(ref).expanduser().resolve()}", None
-    if not (path / "config.json").is_file():
-        raise ModelNotFoundError(
-            f"{ref} is neither a store entry nor a checkpoint directory with a config.json",
-            hint=f"Pull it first (`gemmactl pull {ref}`) or pass the checkpoint's folder.",
-        )
+def checkpoint_architecture(path: Path) -> str:
+    """The architecture in a checkpoint's config.json, if the converter supports it."""
     try:
-        config = json.loads((path / "config.json").read_text())
+        config = json.loads((Path(path) / "config.json").read_text())
     except ValueError as exc:
-        raise UnsupportedModelError(f"{path / 'config.json'} is not valid JSON: {exc}") from exc
+        raise UnsupportedModelError(f"{Path(path) / 'config.json'} is not valid JSON: {exc}") from exc
     architecture = (config.get("architectures") or ["unknown"])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{ref} is a {architecture} checkpoint; gemmactl converts {', '.join(SUPPORTED_ARCHITECTURES)}",
+            f"{path} is a {architecture} checkpoint; gemmactl converts {', '.join(SUPPORTED_ARCHITECTURES)}",
             hint="Use a Gemma 3 or Gemma 4 checkpoint.",
         )
-    return Checkpoint(path=path, name=ref.rstrip("/").split("/")[-1], source=source, revision=revision, architecture=architecture)
-
-
-def plan_output(checkpoint: Checkpoint, quant: str, store: Store, out: Path | None, force: bool) -> tuple[str, Path]:
-    """Store name and output path; refuses to overwrite without force."""
-    name = f"{checkpoint.name}-{quant}"
-    path = Path(out).expanduser().resolve() if out else store.models_dir / name / f"{name}.gguf"
-    if not force and (path.exists() or store.get(name) is not None):
-        raise InvalidOptionError(f"{name} already exists ({path})", hint="Pass --force to replace it.")
-    return name, path
+    return architecture
 
 
 def quantize_to_gguf(
-    checkpoint: Checkpoint,
+    checkpoint: Path,
     quant: str,
-    build: BuildManifest,
-    store: Store,
-    *,
-    name: str,
+    build: "BuildManifest",
     out_path: Path,
+    *,
+    log_path: Path,
     imatrix: Path | None = None,
     calibration: Path | None = None,
     progress: Progress | None = None,
-) -> Artifact:
-    """Convert, (optionally) compute an importance matrix, quantize, register; returns the entry."""
+) -> GgufResult:
+    """Convert, (optionally) compute an importance matrix, quantize; the file appears at out_path only complete."""
     progress = progress or (lambda step, elapsed: None)
     if quant in NEEDS_IMATRIX and not (imatrix or calibration):
         raise InvalidOptionError(f"{quant} needs an importance matrix", hint="Pass --imatrix FILE or --calibration TEXTFILE.")
@@ -116,7 +96,6 @@ def quantize_to_gguf(
         raise BuildError(f"the build's source tree {source_tree} has no convert_hf_to_gguf.py", hint="Run `gemmactl build --force`.")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     remove_partial_outputs(out_path)
-    log_path = store.home / "logs" / f"quantize-{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=".quantize-") as tmp, open(log_path, "w") as log:
@@ -124,7 +103,7 @@ def quantize_to_gguf(
         converted = Path(tmp) / f"model-{outtype}.gguf"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source_tree / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
         progress("convert", time.monotonic() - start)
-        _step("convert", [sys.executable, str(converter), str(checkpoint.path), "--outtype", outtype, "--outfile", str(converted)], log, log_path, env)
+        _step("convert", [sys.executable, str(converter), str(checkpoint), "--outtype", outtype, "--outfile", str(converted)], log, log_path, env)
         result = converted
         if quant not in ("F16", "BF16"):
             if calibration:
@@ -138,27 +117,11 @@ def quantize_to_gguf(
             progress("quantize", time.monotonic() - start)
             _step("quantize", cmd + [str(converted), str(result), quant], log, log_path)
             converted.unlink()  # free the disk before the final move
-        progress("register", time.monotonic() - start)
+        progress("checksum", time.monotonic() - start)
         digest = sha256_file(result)
         os.replace(result, out_path)
-    artifact = Artifact(
-        name=name,
-        path=str(out_path),
-        format="gguf",
-        source=checkpoint.source,
-        revision=checkpoint.revision,
-        size=out_path.stat().st_size,
-        sha256=digest,
-        extra={
-            "quantization": quant,
-            "architecture": checkpoint.architecture,
-            "llama_cpp_build": build.build_id,
-            "imatrix": str(imatrix) if imatrix and not calibration else ("calibration:" + str(calibration) if calibration else None),
-            "seconds": round(time.monotonic() - start, 1),
-        },
-    )
-    store.add(artifact)
-    return artifact
+    used = str(imatrix) if imatrix and not calibration else ("calibration:" + str(calibration) if calibration else None)
+    return GgufResult(out_path, digest, quant, used, round(time.monotonic() - start, 1))
 
 
 def _step(step: str, cmd: list[str], log, log_path: Path, env: dict | None = None) -> None:
@@ -171,19 +134,6 @@ def _step(step: str, cmd: list[str], log, log_path: Path, env: dict | None = Non
         errors = [line for line in lines if "error" in line.lower()]
         detail = (errors or lines or ["no output"])[-1][:200]
         raise BuildError(f"the {step} step failed (exit {proc.returncode}): {detail}", hint=f"The full log is {log_path}.")
-
-
-def require_build(store: Store) -> BuildManifest:
-    """The active build, which quantize needs for its converter and tools."""
-    from gemmactl.llamacpp.build import active_build
-
-    build = active_build(store)
-    if build is None:
-        raise BuildError(
-            "quantize --gguf needs a llama.cpp build (its converter and llama-quantize), and there is none",
-            hint="Run `gemmactl build` first.",
-        )
-    return build
 
 
 def remove_partial_outputs(path: Path) -> None:

@@ -41,16 +41,13 @@ class GgufVocab:
 
 def read_gguf_vocab(vocab_gguf: Path) -> GgufVocab:
     """Read the tokenizer metadata of a GGUF file (tensor data, if any, is not touched)."""
-    from gguf import GGUFReader
+    from gemmactl.formats.gguf_header import read_gguf_header
 
-    try:
-        fields = GGUFReader(Path(vocab_gguf)).fields
-    except (OSError, ValueError) as exc:
-        raise NotAGGUFError(f"{vocab_gguf}: not a readable GGUF file ({exc})") from exc
+    arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+    metadata = read_gguf_header(Path(vocab_gguf), arrays=arrays, tensors=False).metadata
 
     def value(key: str, default=None):
-        field = fields.get(key)
-        return default if field is None else field.contents()
+        return metadata.get(key, default)
 
     model = value("tokenizer.ggml.model")
     if model not in GEMMA_TOKENIZER_MODELS:

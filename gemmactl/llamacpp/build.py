@@ -7,7 +7,6 @@ directory without one is an unfinished build and is redone.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -15,13 +14,12 @@ import re
 import shutil
 import subprocess
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from gemmactl.errors import BuildError, InvalidOptionError, ToolchainMissingError
-from gemmactl.fileio import atomic_write_text, sha256_file
+from gemmactl.fileio import atomic_write_text, exclusive_lock, sha256_file
 from gemmactl.llamacpp.source import SourceTree
 from gemmactl.machine import Machine
 from gemmactl.store import Store, utc_now
@@ -30,7 +28,6 @@ BUILD_FORMAT = "gemmactl-llama-build"
 BUILD_VERSION = 1
 BACKENDS = ("auto", "cpu", "cuda", "vulkan")
 BINARIES = ("llama-server", "llama-cli", "llama-quantize", "llama-bench", "llama-imatrix", "llama-perplexity")
-LIBRARIES = ("libllama.so", "libggml.so", "libggml-base.so", "libggml-cpu.so")
 
 # Nothing in a build may reach the network: no prebuilt web UI, no HTTPS client.
 COMMON_FLAGS = (
@@ -214,6 +211,14 @@ def active_build(store: Store) -> BuildManifest | None:
     return find_build(store, build_id) if build_id else None
 
 
+def require_build(store: Store, needed_for: str) -> BuildManifest:
+    """The active build, for a command that needs llama.cpp's own programs; a clear error without one."""
+    build = active_build(store)
+    if build is None:
+        raise BuildError(f"{needed_for} needs a llama.cpp build, and there is none", hint="Run `gemmactl build` first.")
+    return build
+
+
 def run_build(store: Store, plan: BuildPlan, *, force: bool = False, progress: Progress | None = None) -> tuple[BuildManifest, bool]:
     """Configure and compile; returns (manifest, built) — built is False when it already existed."""
     progress = progress or (lambda step, elapsed, line: None)
@@ -334,13 +339,5 @@ def _set_active(store: Store, build_id: str) -> None:
     atomic_write_text(builds_dir(store) / "ACTIVE", build_id + "\n")
 
 
-@contextmanager
-def _build_lock(build_dir: Path) -> Iterator[None]:
-    build_dir.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(build_dir.parent / f"{build_dir.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
+def _build_lock(build_dir: Path):
+    return exclusive_lock(build_dir.parent / f"{build_dir.name}.lock")

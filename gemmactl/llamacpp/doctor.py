@@ -46,8 +46,9 @@ class DoctorReport:
         }
 
 
-def run_doctor(store: Store, *, prove: bool = True, model_path: str | None = None) -> DoctorReport:
-    """Inspect the machine and the active build; with prove, run a model (default: the embedded one) fully offloaded."""
+def run_doctor(store: Store, *, proof_backend=None) -> DoctorReport:
+    """Inspect the machine and the active build; with a proof backend (a GGUF opened with every layer
+    offered to the GPU, gemmactl/generate.py), run a short inference and read where the layers went."""
     machine = detect_machine()
     build = active_build(store)
     report = DoctorReport(machine=machine, build=build, proof=None)
@@ -60,8 +61,8 @@ def run_doctor(store: Store, *, prove: bool = True, model_path: str | None = Non
             f"this machine has {machine.gpus[0].name} but the active build {build.build_id} is CPU-only. "
             "Fix: `gemmactl build --backend cuda`"
         )
-    if prove:
-        report.proof = _prove(store, model_path)
+    if proof_backend is not None:
+        report.proof = _prove(proof_backend)
         if machine.gpus and report.proof.layers_offloaded != report.proof.layers_total:
             report.warnings.append(
                 f"only {report.proof.layers_offloaded}/{report.proof.layers_total} layers ran on the GPU. "
@@ -70,27 +71,26 @@ def run_doctor(store: Store, *, prove: bool = True, model_path: str | None = Non
     return report
 
 
-def _prove(store: Store, model_path: str | None) -> Proof:
-    from gemmactl.embedded import ensure_embedded_model
-    from gemmactl.llamacpp.library import select_library
+def _prove(backend) -> Proof:
+    """Answer a fixed question with the backend (then close it), and read llama.cpp's log of the load."""
+    import llama_cpp
+
     from gemmactl.runtime.base import GenerationRequest, GenerationStats, stream_generate
-    from gemmactl.runtime.llamacpp import LlamaCppBackend, capture_llama_logs
+    from gemmactl.runtime.llamacpp import capture_llama_logs
 
-    library = select_library(store)
-    path = model_path or ensure_embedded_model(store).path
-    backend = LlamaCppBackend(path, context_size=512, n_gpu_layers=-1, library=library)
     try:
-        import llama_cpp
-
-        request = GenerationRequest(prompt="Question: What is the capital of France?\nAnswer:", max_tokens=8, temperature=0)
+        request = GenerationRequest(prompt="Question: What is the capital of France?\nAnswer:", max_tokens=8,
+                                    temperature=0)
         events = list(stream_generate(backend, request))
         stats = events[-1]
-        assert isinstance(stats, GenerationStats)
+        if not isinstance(stats, GenerationStats):
+            raise TypeError("the stream did not end with its stats")
         answer = "".join(e.text for e in events[:-1]).strip()
         lines = list(capture_llama_logs(llama_cpp))
         system_info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
     finally:
         backend.close()
+    path = backend.model_path
     log = "".join(lines)
     offloaded = _OFFLOADED.search(log)
     buffers = {device: float(mib) for device, mib in _BUFFER.findall(log)}

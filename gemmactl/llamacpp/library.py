@@ -37,9 +37,11 @@ class LibraryChoice:
 
 def select_library(store: Store) -> LibraryChoice:
     """Use the active build's library when it is safe to; say why when it is not."""
-    if os.environ.get(ENV):
-        return LibraryChoice(os.environ[ENV])
     build = active_build(store)
+    if os.environ.get(ENV):
+        if build is not None and os.environ[ENV] == build.lib_dir:  # chosen earlier in this process
+            return LibraryChoice(build.lib_dir, build_id=build.build_id)
+        return LibraryChoice(os.environ[ENV])
     if build is None:
         return LibraryChoice(None)
     installed = bindings_version()

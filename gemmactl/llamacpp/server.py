@@ -15,7 +15,6 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from gemmactl.errors import ServerError
@@ -55,33 +54,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
         return sock.getsockname()[1]
-
-
-@dataclass
-class ServerReply:
-    """One streamed completion: its timing, text and the server's own counters."""
-
-    timing: object  # gemmactl.bench.stats.RequestTiming
-    text: str
-    final: dict = field(default_factory=dict)
-
-    @property
-    def cached_tokens(self) -> int:
-        return int(self.final.get("timings", {}).get("cache_n", 0))
-
-    @property
-    def engine_decode_tok_s(self) -> float | None:
-        return self.final.get("timings", {}).get("predicted_per_second")
-
-    @property
-    def draft_tokens(self) -> int:
-        """Tokens the draft model proposed for this request (speculative decoding; 0 without it)."""
-        return int(self.final.get("timings", {}).get("draft_n", 0))
-
-    @property
-    def draft_accepted(self) -> int:
-        """Of those, the tokens the model accepted."""
-        return int(self.final.get("timings", {}).get("draft_n_accepted", 0))
 
 
 class LlamaServer:
@@ -203,13 +175,9 @@ class LlamaServer:
         """The server process's peak resident memory (VmHWM), while it runs."""
         if self.pid is None:
             return None
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            return None
-        return None
+        from gemmactl.runtime.base import peak_rss_bytes
+
+        return peak_rss_bytes(self.pid)
 
     # -- HTTP ---------------------------------------------------------------------------------------
 
@@ -262,31 +230,6 @@ class LlamaServer:
                     return
         finally:
             connection.close()
-
-    def complete(self, prompt: str, max_tokens: int, *, cache_prompt: bool, timeout: float = 300) -> ServerReply:
-        """Stream one greedy completion; request start → first and last token events, as the core times them."""
-        from gemmactl.bench.stats import RequestTiming
-
-        if not self.alive():
-            raise ServerError("llama-server is not running", hint=f"See its log: {self.log_path}")
-        payload = {"prompt": prompt, "n_predict": max_tokens, "cache_prompt": cache_prompt, "seed": 0,
-                   **self.sampling_fields(0, 0, 1.0, 0.0, 1.0)}
-        pieces: list[str] = []
-        first = last = None
-        final: dict = {}
-        start = time.perf_counter()
-        for event in self.stream(payload, timeout=timeout):
-            now = time.perf_counter()
-            pieces.append(event.get("content", ""))
-            if event.get("stop"):
-                final = event
-                break
-            # One event per generated token (its text may be "" while a character is incomplete).
-            first = first if first is not None else now
-            last = now
-        generated = int(final.get("tokens_predicted", 0))
-        timing = RequestTiming(start, first, last, int(final.get("tokens_evaluated", 0)), generated)
-        return ServerReply(timing, "".join(pieces), final)
 
     def _request(self, method: str, path: str, payload: dict | None, timeout: float) -> dict:
         connection = http.client.HTTPConnection(HOST, self.port, timeout=timeout)

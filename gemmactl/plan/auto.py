@@ -8,25 +8,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from gemmactl.errors import BudgetTooSmallError, GemmactlError
 from gemmactl.machine import Machine, detect_machine
-from gemmactl.plan.sizes import format_size
+from gemmactl.runtime.base import GpuPlacement
+from gemmactl.sizes import format_size
 
 
-@dataclass(frozen=True)
-class AutoPlacement:
-    applied: bool  # True when the model does not fit the GPU whole and the plan's arguments are used
-    reason: str  # one line for --stats and logs
-    n_gpu_layers: int  # llama.cpp -ngl; -1 (all) when it fits, 0 without a usable GPU
-    tensor_overrides: tuple[str, ...]  # llama.cpp -ot values
-    server_args: tuple[str, ...]  # the llama-server flags this implies
-
-
-def _not_applied(reason: str, n_gpu_layers: int) -> AutoPlacement:
-    return AutoPlacement(False, reason, n_gpu_layers, (), ())
+def _not_applied(reason: str, n_gpu_layers: int) -> GpuPlacement:
+    return GpuPlacement(False, reason, n_gpu_layers)
 
 
 def gpu_capable_library(store=None) -> bool:
@@ -58,7 +50,7 @@ def auto_placement(
     gpu_capable: bool | None = None,
     free_vram: int | None = None,
     store=None,
-) -> AutoPlacement:
+) -> GpuPlacement:
     """Decide -ngl / -ot for a GGUF at this context; reads headers only.
 
     machine, gpu_capable and free_vram default to what this machine has (tests pass fakes).
@@ -101,7 +93,7 @@ def auto_placement(
     for value in overrides:
         server_args += ["-ot", value]
     server_args += ["--fit", "off"]  # llama-server would otherwise re-fit what it was told
-    return AutoPlacement(True, reason, plan.placement.n_gpu_layers, overrides, tuple(server_args))
+    return GpuPlacement(True, reason, plan.placement.n_gpu_layers, overrides, tuple(server_args))
 
 
 AUTO_PARALLEL_MAX = 16  # slots `parallel: auto` gives at most: past 16, batching gains little here

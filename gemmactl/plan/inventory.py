@@ -24,8 +24,6 @@ GLOBAL_KINDS = ("token_embd", "per_layer_embd", "per_layer_proj", "output", "out
 
 _HF_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
-_SAFETENSORS_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1,
-                      "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 @dataclass
@@ -159,7 +157,7 @@ def _add_hf(inventory: Inventory, name: str, shape: tuple[int, ...], nbytes: int
 
 
 def inventory_from_gguf(path: Path) -> Inventory:
-    from gemmactl.plan.gguf_header import read_gguf_header
+    from gemmactl.formats.gguf_header import read_gguf_header
 
     header = read_gguf_header(path)
     shape = shape_from_gguf(header)
@@ -186,30 +184,39 @@ _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9
 
 
 def _read_config(path: Path) -> dict:
+    return _read_config_file(path / "config.json")
+
+
+def _read_config_file(file: Path) -> dict:
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise NotACheckpointError(f"{path / 'config.json'} is not valid JSON ({exc})") from exc
+        raise NotACheckpointError(f"{file} is not valid JSON ({exc})") from exc
     if not isinstance(config, dict):
-        raise NotACheckpointError(f"{path / 'config.json'} is not a JSON object")
+        raise NotACheckpointError(f"{file} is not a JSON object")
     return config
 
 
-def inventory_from_checkpoint(path: Path, quant: str | None) -> Inventory:
+DEFAULT_CONFIG_QUANT = "Q4_K_M"  # what a config-only plan sizes by default: the fast tier's GGUF type
+
+
+def inventory_from_checkpoint(path: Path, quant: str | None, *, config_only: bool = False) -> Inventory:
     """A directory with config.json: its safetensors headers, or the config alone when there are none.
 
-    quant None sizes a checkpoint as its files are (bf16); a quantization sizes what
-    `gemmactl quantize` would make of it.
+    quant None sizes a checkpoint as its files are (bf16), and a config alone at
+    DEFAULT_CONFIG_QUANT; a quantization sizes what `gemmactl quantize` would make of it.
+    config_only: ignore any weight files (path may then also be the config.json itself).
     """
-    config = _read_config(path)
+    path = Path(path)
+    if path.is_file():
+        config, path, config_only = _read_config_file(path), path.parent, True
+    else:
+        config = _read_config(path)
     shape = shape_from_config(config)
-    files = safetensors_files(path)
+    files = [] if config_only else safetensors_files(path)
     quant = check_quant(quant) if quant else None
     if not files and quant is None:
-        raise InvalidOptionError(
-            f"{path} holds only a config.json, so the quantization to plan for is unknown",
-            hint="Pass --quant Q4_K_M (or Q8_0, BF16, int4-g32, ...).",
-        )
+        quant = DEFAULT_CONFIG_QUANT
     tensors: list[tuple[str, tuple[int, ...], int | None]] = []  # (name, shape, bytes as stored)
     if files:
         for file in files:
@@ -251,21 +258,21 @@ def inventory_from_int4(path: Path) -> Inventory:
 
 
 def take_inventory(path: Path, *, quant: str | None = None) -> Inventory:
-    """The inventory of a GGUF file, an int4-stream artifact, or a checkpoint/config directory."""
-    from gemmactl.formats import detect_format
+    """The inventory of a GGUF file, an int4-stream artifact, a checkpoint or config directory, or a config.json."""
+    from gemmactl.formats import GGUF, INT4_STREAM, detect_format
 
     path = Path(path)
     kind = detect_format(path)
-    if kind is not None and quant:
+    if kind in (GGUF, INT4_STREAM) and quant:
         raise InvalidOptionError(
             f"{path} is already a {kind} artifact; --quant applies to checkpoints and config-only directories",
             hint="Drop --quant.",
         )
-    if kind == "gguf":
+    if kind == GGUF:
         return inventory_from_gguf(path)
-    if kind == "int4-stream":
+    if kind == INT4_STREAM:
         return inventory_from_int4(path)
-    if path.is_dir() and (path / "config.json").is_file():
+    if (path.is_dir() and (path / "config.json").is_file()) or (path.is_file() and path.suffix == ".json"):
         return inventory_from_checkpoint(path, quant)
     if path.is_dir():
         raise NotACheckpointError(f"{path} has neither a config.json, an int4-stream index.json, nor is it a GGUF file")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from gemmactl.errors import InvalidOptionError
-from gemmactl.plan.gguf_header import GGML_TYPES
+from gemmactl.formats.gguf_header import GGML_TYPES
 
 _TYPE_ID = {name: type_id for type_id, (name, _, _) in GGML_TYPES.items()}
 # llama-quantize's fallback when a row is not a whole number of blocks.
@@ -20,7 +20,6 @@ _FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "IQ4_NL", "
 
 GGUF_QUANTS = ("Q4_K_M", "Q4_0", "Q8_0", "BF16", "F16")
 INT4_QUANTS = ("int4-g32", "int4-g64", "int4-g128")
-SOURCE_QUANTS = ("bf16",)  # a safetensors checkpoint as it is
 QUANTS = GGUF_QUANTS + INT4_QUANTS
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gemmactl.errors import InvalidOptionError, ModelNotFoundError
+from gemmactl.errors import InvalidOptionError
 from gemmactl.plan.inventory import GLOBAL_KINDS, take_inventory
 from gemmactl.plan.llama_args import llama_cpp_args, torch_device_map
 from gemmactl.plan.profile import DEFAULT_PROFILE, HardwareProfile, gpu_free_bytes, load_profile, machine_profile
-from gemmactl.plan.sizes import format_size, parse_size
+from gemmactl.sizes import format_size, parse_size
 from gemmactl.plan.solver import PROMPT_TOKENS, Budget, Plan, plan_placement
 
 PLAN_FORMAT = "gemmactl-plan"
@@ -25,20 +25,13 @@ class PlanResult:
 
 
 def resolve_plan_model(ref: str, store) -> Path:
-    """A store name (any format), "embedded", or a path to a GGUF file or a model folder."""
-    from gemmactl.models import EMBEDDED_REFS
+    """A store name (any format), "embedded", or a path to a GGUF file, a model folder or a config.json."""
+    from gemmactl.store.refs import ANY, resolve_model
 
-    if ref in EMBEDDED_REFS:
-        from gemmactl.embedded import ensure_embedded_model
-
-        return Path(ensure_embedded_model(store).path)
-    artifact = store.get(ref)
-    if artifact is not None:
-        return Path(artifact.path)
     path = Path(ref).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(f"no model named '{ref}' in the store and no such file or folder")
-    return path
+    if path.is_file() and path.suffix == ".json" and store.get(ref) is None:
+        return path  # a config.json alone
+    return resolve_model(ref, store, accept=ANY).path
 
 
 def choose_profile(hardware: str | None, remeasure: bool, store) -> tuple[HardwareProfile, bool, list[str], int | None]:
@@ -110,12 +103,15 @@ def build_plan(
     budget = Budget(vram_bytes if profile.has_gpu else 0, ram_bytes)
     plan = plan_placement(inventory, profile, budget, context=context, parallel=parallel)
     plan.budget = Budget(vram_bytes, ram_bytes)
-    plan.notes = notes + _plan_notes(plan, backend)
+    plan.notes = notes + _plan_notes(plan, backend, quant)
     return PlanResult(plan, path, measured, warnings)
 
 
-def _plan_notes(plan: Plan, backend: str) -> list[str]:
+def _plan_notes(plan: Plan, backend: str, quant: str | None) -> list[str]:
     notes = []
+    if plan.inventory.source == "config" and quant is None:
+        notes.append(f"no --quant given: planned for {plan.inventory.quantization}, the GGUF type the fast tier runs; "
+                     "pass --quant to plan another")
     if plan.fits_whole:
         notes.append("the whole model fits the GPU: run and serve use -ngl all and need no plan arguments")
     if plan.placement.cpu_expert_layers:

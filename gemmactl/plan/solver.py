@@ -287,7 +287,7 @@ def plan_placement(inventory: Inventory, profile: HardwareProfile, budget: Budge
 
 
 def _too_small(plans: list[Plan], budget: Budget) -> BudgetTooSmallError:
-    from gemmactl.plan.sizes import format_size
+    from gemmactl.sizes import format_size
 
     ram_ok = [plan for plan in plans if plan.cpu_bytes <= budget.ram_bytes]
     if ram_ok:

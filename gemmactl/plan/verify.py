@@ -12,8 +12,12 @@ import shutil
 import subprocess
 import threading
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Callable
 
 from gemmactl.plan.solver import Budget, Placement, Plan, evaluate
+
+if TYPE_CHECKING:
+    from gemmactl.runtime.base import Backend
 
 VERIFY_PROMPT = "Question: What is the capital of France?\nAnswer:"
 VERIFY_TOKENS = 64
@@ -79,19 +83,20 @@ class GpuMemorySampler:
             self.peak = max(self.peak, self._sample())
 
 
-def verify_plan(plan: Plan, model_path, *, store=None) -> VerifyResult:
-    """Load the GGUF with the plan's -ngl, decode VERIFY_TOKENS tokens greedily, compare."""
-    from gemmactl.llamacpp.library import select_library
+def verify_plan(plan: Plan, open_backend: Callable[..., Backend], *, store=None) -> VerifyResult:
+    """Load the GGUF with the plan's -ngl, decode VERIFY_TOKENS tokens greedily, compare.
+
+    open_backend(context=, placement=, extra_args=) loads the plan's model: the generation path's
+    open_backend for it (gemmactl/generate.py), so the run is placed as the plan says and nothing else.
+    """
     from gemmactl.machine import detect_machine
     from gemmactl.plan.auto import gpu_capable_library
     from gemmactl.plan.profile import machine_profile
-    from gemmactl.runtime.base import GenerationRequest, GenerationStats, stream_generate
-    from gemmactl.runtime.llamacpp import LlamaCppBackend
+    from gemmactl.runtime.base import GenerationRequest, GenerationStats, GpuPlacement, stream_generate
     from gemmactl.store import Store
 
     store = store or Store()
     machine = detect_machine()
-    library = select_library(store)
     usable_gpu = bool(machine.gpus) and gpu_capable_library(store)
     if usable_gpu:
         n_gpu_layers, predicted, placement = plan.placement.n_gpu_layers, plan.decode_tok_s, "plan"
@@ -102,9 +107,10 @@ def verify_plan(plan: Plan, model_path, *, store=None) -> VerifyResult:
         n_gpu_layers, predicted, placement = 0, cpu_plan.decode_tok_s, "cpu (no usable GPU here)"
     request = GenerationRequest(prompt=VERIFY_PROMPT, max_tokens=VERIFY_TOKENS, temperature=0.0, raw=True)
     with GpuMemorySampler() as sampler:
-        backend = LlamaCppBackend(
-            str(model_path), context_size=plan.context * plan.parallel, n_gpu_layers=n_gpu_layers,
-            library=library, tensor_overrides=_overrides(plan) if usable_gpu else (),
+        overrides = _overrides(plan) if usable_gpu else ()
+        backend = open_backend(
+            context=plan.context * plan.parallel,
+            placement=GpuPlacement(True, f"plan --verify: {placement}", n_gpu_layers, overrides),
             extra_args={"swa_full": False, "n_ubatch": 512},
         )
         try:

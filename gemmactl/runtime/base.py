@@ -1,37 +1,113 @@
 """The backend protocol and the one streaming generation core every consumer uses.
 
 `stream_generate` yields `Piece`s (answer or thinking text, markup already removed) as the model
-produces them, then one final `GenerationStats`. `run` consumes it now; `serve` and `bench` consume
-the same stream, so all three report the same numbers.
+produces them, then one final `GenerationStats`. `run`, `serve` and `bench` consume the same
+stream (through gemmactl/generate.py), so all three report the same numbers.
 """
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator, Protocol
 
-from gemmactl.chat import MarkupCleaner, StopMatcher
 from gemmactl.errors import EmptyPromptError, InvalidOptionError, PromptTooLongError
+from gemmactl.prompt.build import ModelText, build_prompt, user_messages
+from gemmactl.prompt.markup import MarkupCleaner
+from gemmactl.prompt.stops import StopMatcher
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings and their defaults: a recipe tier's, and any request's that sets none."""
+
+    temperature: float = 1.0
+    top_k: int = 64
+    top_p: float = 0.95
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    max_tokens: int = 512
+
+
+DEFAULTS = Sampling()
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """What to generate: the user's text and the sampling settings."""
+    """What to generate: the user's text (or a whole conversation) and the sampling settings.
 
-    prompt: str
-    max_tokens: int = 256
-    temperature: float = 0.7
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
+    The request checks its own values when it is made, so a request that exists is valid; each
+    boundary (CLI flags, HTTP fields) checks its input first, in its own words.
+    """
+
+    prompt: str  # the user's (last) text
+    max_tokens: int = DEFAULTS.max_tokens
+    temperature: float = DEFAULTS.temperature
+    top_k: int = DEFAULTS.top_k
+    top_p: float = DEFAULTS.top_p
+    min_p: float = DEFAULTS.min_p
+    repeat_penalty: float = DEFAULTS.repeat_penalty
     seed: int | None = None
     thinking: bool = False
     raw: bool = False  # send the prompt as is: no chat template, no question frame
     system: str | None = None
+    messages: tuple[dict, ...] | None = None  # a whole conversation (serve); None: the prompt alone
+    stops: tuple[str, ...] = ()  # the caller's stop strings, besides the prompt mode's
+    whole: bool = False  # the caller takes the answer at once: a backend may make it in one piece
+
+    def __post_init__(self) -> None:
+        if not self.prompt.strip():
+            raise EmptyPromptError("the prompt is empty")
+        checks = (
+            ("max_tokens", self.max_tokens >= 1, "at least 1"),
+            ("temperature", _finite(self.temperature) and self.temperature >= 0, "a finite number, 0 or more"),
+            ("top_k", self.top_k >= 0, "0 or more"),
+            ("top_p", _finite(self.top_p) and 0 <= self.top_p <= 1, "between 0 and 1"),
+            ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "between 0 and 1"),
+            ("repeat_penalty", _finite(self.repeat_penalty) and self.repeat_penalty >= 0, "a finite number, 0 or more"),
+        )
+        for name, ok, expected in checks:
+            if not ok:
+                raise InvalidOptionError(f"{name} must be {expected}, got {getattr(self, name)}")
+
+    def conversation(self) -> list[dict]:
+        """The messages the prompt is built from: the conversation, or the system text and the prompt."""
+        return list(self.messages) if self.messages is not None else user_messages(self.prompt, self.system)
+
+    @classmethod
+    def from_sampling(cls, prompt: str, sampling: Sampling, **changes) -> "GenerationRequest":
+        """A request with a recipe tier's sampling settings, changed where the caller says (None keeps them)."""
+        values = {**asdict(sampling), **{key: value for key, value in changes.items() if value is not None}}
+        return cls(prompt=prompt, **values)
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class GpuPlacement:
+    """Where llama.cpp puts a model's layers: all on the GPU, a plan's split, or all on the CPU."""
+
+    applied: bool  # True when the model does not fit the GPU whole and the plan's split is used
+    reason: str  # one line for --stats and logs
+    n_gpu_layers: int  # llama.cpp -ngl; -1 (all) when it fits, 0 without a usable GPU
+    tensor_overrides: tuple[str, ...] = ()  # llama.cpp -ot values
+    server_args: tuple[str, ...] = ()  # the llama-server flags this implies
+
+    @classmethod
+    def all_on_gpu(cls, reason: str = "every layer offered to the GPU") -> "GpuPlacement":
+        return cls(False, reason, -1)
+
+    @property
+    def llama_server_args(self) -> tuple[str, ...]:
+        """The placement as llama-server flags: the plan's, or -ngl for all (999) or none."""
+        if self.server_args:
+            return self.server_args
+        return ("-ngl", "999" if self.n_gpu_layers < 0 else str(self.n_gpu_layers))
 
 
 @dataclass(frozen=True)
@@ -98,12 +174,22 @@ class GenerationStats:
 
 
 class Backend(Protocol):
-    """An inference engine holding one loaded model."""
+    """An inference engine holding one loaded model: what every caller may use, and nothing else."""
 
     name: str
     model_path: str
     load_s: float
     context_size: int
+    threads: int | None  # CPU threads it decodes with, when it uses the CPU
+    library: str | None  # which llama.cpp library it runs, for llama.cpp backends
+    placement: GpuPlacement | None  # where its layers are, when a plan placed them
+    notices: list[str]  # things the user should know about how it was loaded
+
+    def model_text(self) -> ModelText:
+        """The model's chat template and special token texts (what prompt building needs)."""
+
+    def tokenize(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
+        """Token ids of text; special: turn markers become control tokens."""
 
     def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         """Turn the request into prompt tokens (chat template, question frame or raw)."""
@@ -118,25 +204,40 @@ class Backend(Protocol):
         """Free the model."""
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far."""
+class PromptedBackend:
+    """The one `prepare` every backend shares: the prompt builder, then the backend's own tokenizer."""
+
+    threads: int | None = None
+    library: str | None = None
+    placement: GpuPlacement | None = None
+    notices: list[str] = []
+
+    def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        built = build_prompt(request.conversation(), self.model_text(), thinking=request.thinking, raw=request.raw)
+        tokens = self.tokenize(built.text, add_bos=built.add_bos, special=built.special)
+        return PreparedPrompt(tokens=tokens, mode=built.mode, stops=built.stops + request.stops, text=built.text)
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int | None:
+    """Peak resident memory of a process (this one by default) since it started its program.
+
+    Linux's VmHWM, not getrusage's ru_maxrss: the kernel carries ru_maxrss across exec, so a
+    worker started by a large parent would report the parent's peak as its own.
+    """
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if pid != "self":
+        return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
-def check_request(request: GenerationRequest) -> None:
-    """Refuse settings no backend can honour, before any work is done."""
-    if not request.prompt.strip():
-        raise EmptyPromptError("the prompt is empty")
-    if request.max_tokens < 1:
-        raise InvalidOptionError(f"--max-tokens must be at least 1, got {request.max_tokens}")
-    if request.temperature < 0:
-        raise InvalidOptionError(f"--temperature must be 0 or more, got {request.temperature}")
-
-
 def stream_generate(backend: Backend, request: GenerationRequest) -> Iterator[Piece | GenerationStats]:
     """Generate from a loaded backend: yield `Piece`s as they come, then a `GenerationStats`."""
-    check_request(request)
     start = time.perf_counter()
     prompt = backend.prepare(request)
     n_prompt = len(prompt.tokens)

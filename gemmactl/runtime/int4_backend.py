@@ -16,65 +16,11 @@ from pathlib import Path
 from typing import Iterator
 
 from gemmactl.errors import BackendError
-from gemmactl.prompting import build_prompt_text
-from gemmactl.runtime.base import EngineTimings, GenerationRequest, PreparedPrompt
+from gemmactl.prompt.build import ModelText
+from gemmactl.runtime.base import EngineTimings, GenerationRequest, PreparedPrompt, PromptedBackend
 
 DEBUG_HINT = "Rerun with --debug for details."
 _DETOKENIZE_CONTEXT = 4  # prompt tokens decoded with the first new token, so its leading space survives
-
-
-def empty_model(artifact, dtype=None):
-    """(model, dtype): a transformers causal LM from the artifact's config with its parameters on
-    the meta device (no allocation, no random init) and its buffers (rotary tables, embedding
-    scales) built for real on the CPU; dtype defaults to the config's."""
-    import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config_dict = dict(artifact.config)
-    model_type = config_dict.pop("model_type")
-    config = AutoConfig.for_model(model_type, **config_dict)
-    dtype = dtype or getattr(torch, str(config_dict.get("dtype") or config_dict.get("torch_dtype") or "bfloat16"))
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # older transformers: random init on meta tensors, slower, same result
-        from contextlib import nullcontext as no_init_weights
-    with init_empty_weights(include_buffers=False), no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # The parameters are loaded next, so their (meta) random init is skipped above; the buffers
-    # (rotary tables, embedding scales) still get the model's own init, module by module.
-    for module in model.modules():
-        if next(module.buffers(recurse=False), None) is not None:
-            model._init_weights(module)
-    return model, dtype
-
-
-def build_model(artifact, dtype=None, device="cpu"):
-    """A transformers causal LM from the artifact's config, holding its weights dequantized on device.
-
-    Parameters are created on the meta device; each weight is copied packed to the device,
-    dequantized there and assigned as the parameter itself.
-    """
-    model, dtype = empty_model(artifact, dtype)
-    state = artifact.state_dict(device=device, dtype=dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    del state
-    model.tie_weights()
-    if str(device) != "cpu":
-        model.to(device)  # the buffers; the parameters are there already
-    return checked(model, artifact, unexpected)
-
-
-def checked(model, artifact, unexpected):
-    """The model in eval mode, once every parameter has a weight and no tensor was left over."""
-    still_meta = [name for name, param in model.named_parameters() if param.is_meta]
-    if unexpected or still_meta:
-        raise BackendError(
-            f"{artifact.path} does not fit a {type(model).__name__}: "
-            + (f"unexpected tensors {unexpected[:3]}" if unexpected else f"no weights for {still_meta[:3]}"),
-            hint="The artifact's config and tensors disagree; make it again with `gemmactl quantize`.",
-        )
-    return model.eval()
 
 
 class IncrementalDetokenizer:
@@ -110,7 +56,7 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-class Int4Backend:
+class Int4Backend(PromptedBackend):
     """One int4-stream artifact in a transformers model, generating token by token.
 
     weights: "dense" (dequantize once at load), "packed" (keep packed, dequantize per call) or
@@ -132,13 +78,14 @@ class Int4Backend:
         device: str = "auto",
     ):
         """Load the artifact; dtype is the compute dtype (default: the model config's, bfloat16 for
-        Gemma; on this CPU it decodes as fast as float32 in half the memory, docs/benchmarks.md)."""
+        Gemma: on the CPU it decoded as fast as float32 in half the memory, benchmarks/int4_decode_dtype.py)."""
         import os
 
         import torch
         from transformers import AutoTokenizer
 
         from gemmactl.formats.int4.reader import open_artifact
+        from gemmactl.runtime.int4_model import build_model
         from gemmactl.runtime.int4_packed import build_packed_model
         from gemmactl.runtime.llamacpp import default_threads
 
@@ -178,22 +125,15 @@ class Int4Backend:
 
     # -- Backend protocol ------------------------------------------------------------------------
 
-    def prepare(self, request: GenerationRequest) -> PreparedPrompt:
-        """Build the prompt text for this model and tokenize it."""
+    def model_text(self) -> ModelText:
         tok = self.tokenizer
-        built = build_prompt_text(
-            request.prompt,
-            chat_template=self.chat_template,
-            bos_token=tok.bos_token or "",
-            eos_token=tok.eos_token or "",
-            thinking=request.thinking,
-            raw=request.raw,
-            system=request.system,
-        )
-        tokens = tok(built.text, add_special_tokens=False)["input_ids"]
-        if built.add_bos and tok.bos_token_id is not None:
-            tokens = [tok.bos_token_id, *tokens]
-        return PreparedPrompt(tokens=tokens, mode=built.mode, stops=built.stops, text=built.text)
+        return ModelText(self.chat_template, tok.bos_token or "", tok.eos_token or "")
+
+    def tokenize(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
+        # The tokenizer always parses special tokens in text; add_bos decides the BOS token alone.
+        tok = self.tokenizer
+        tokens = tok(text, add_special_tokens=False)["input_ids"]
+        return [tok.bos_token_id, *tokens] if add_bos and tok.bos_token_id is not None else tokens
 
     def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str]:
         """Yield each new token's text; stop at an end-of-generation token or max_tokens."""

@@ -1,6 +1,6 @@
 """int4-stream weights kept packed inside a transformers model: dequantized per call, never held dense.
 
-`build_packed_model` builds the model on the meta device like `int4_backend.build_model`, then
+`build_packed_model` builds the model on the meta device like `int4_model.build_model`, then
 gives every quantized linear layer a `PackedLinear` and every quantized embedding table a
 `PackedEmbedding` that hold the artifact's parts as stored (int4 codes + fp16 scale/zero per group,
 or int8 rows + fp16 scale). On the CPU those parts are zero-copy views of the mapped shards, so
@@ -122,7 +122,7 @@ def build_packed_model(artifact, dtype=None, device="cpu", tables_device="cpu"):
     dtype: compute dtype (default the config's); device: where the model computes;
     tables_device: where lookup-only embedding tables live (default RAM, mapped).
     """
-    from gemmactl.runtime.int4_backend import checked, empty_model
+    from gemmactl.runtime.int4_model import checked, empty_model
 
     model, dtype = empty_model(artifact, dtype)
     modules = dict(model.named_modules())

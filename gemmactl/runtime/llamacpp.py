@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Iterator
 
 from gemmactl.errors import BackendError
-from gemmactl.prompting import build_prompt_text
-from gemmactl.runtime.base import EngineTimings, GenerationRequest, PreparedPrompt
+from gemmactl.prompt.build import ModelText
+from gemmactl.runtime.base import EngineTimings, GenerationRequest, GpuPlacement, PreparedPrompt, PromptedBackend
 
 DEBUG_HINT = "Rerun with --debug for details."
 # llama.cpp's "pick a random seed" value.
@@ -125,8 +125,22 @@ def cpu_tensor_overrides(lib, overrides) -> ctypes.Array:
     return (_BuftOverride * len(entries))(*entries)
 
 
-class LlamaCppBackend:
-    """One GGUF model loaded by llama.cpp, generating token by token."""
+def model_param_fields(lib, extra_buffers: bool, tensor_overrides: tuple[str, ...]) -> tuple[dict, object]:
+    """(llama_model_params fields for override_model_params, what must stay alive while the model loads)."""
+    fields: dict = {"use_extra_bufts": extra_buffers}
+    if not tensor_overrides:
+        return fields, None
+    array = cpu_tensor_overrides(lib, tensor_overrides)
+    fields["tensor_buft_overrides"] = ctypes.cast(array, ctypes.c_void_p)
+    return fields, array
+
+
+class LlamaCppBackend(PromptedBackend):
+    """One GGUF model loaded by llama.cpp, generating token by token.
+
+    n_gpu_layers and tensor_overrides place the layers; placement records where they came from
+    (gemmactl/generate.py passes the planner's decision as all three).
+    """
 
     name = "llamacpp"
 
@@ -140,6 +154,7 @@ class LlamaCppBackend:
         extra_args: dict | None = None,
         library=None,
         tensor_overrides: tuple[str, ...] = (),
+        placement: GpuPlacement | None = None,
     ):
         # library: a gemmactl.llamacpp.library.LibraryChoice, applied before llama_cpp is imported.
         self.library = library.label if library else "llama-cpp-python's own"
@@ -153,16 +168,14 @@ class LlamaCppBackend:
             ) from exc
         self._lib = llama_cpp
         self.model_path = str(model_path)
+        self.placement = placement
         capture_llama_logs(llama_cpp)
         threads = n_threads or default_threads()
         self.extra_buffers = use_extra_buffers(llama_cpp)
         start = time.perf_counter()
-        fields = {"use_extra_bufts": self.extra_buffers}
         self.tensor_overrides = tuple(tensor_overrides)
-        if self.tensor_overrides:
-            # Kept on self: llama.cpp reads the array while the model loads.
-            self._overrides_array = cpu_tensor_overrides(llama_cpp, self.tensor_overrides)
-            fields["tensor_buft_overrides"] = ctypes.cast(self._overrides_array, ctypes.c_void_p)
+        # The array is kept on self: llama.cpp reads it while the model loads.
+        fields, self._overrides_array = model_param_fields(llama_cpp, self.extra_buffers, self.tensor_overrides)
         try:
             with override_model_params(llama_cpp, **fields):
                 self._llm = llama_cpp.Llama(
@@ -189,22 +202,12 @@ class LlamaCppBackend:
 
     # -- Backend protocol ------------------------------------------------------------------------
 
-    def prepare(self, request: GenerationRequest) -> PreparedPrompt:
-        """Build the prompt text for this model and tokenize it."""
-        built = build_prompt_text(
-            request.prompt,
-            chat_template=self.chat_template,
-            bos_token=self._token_text(self._llm.token_bos()),
-            eos_token=self._token_text(self._llm.token_eos()),
-            thinking=request.thinking,
-            raw=request.raw,
-            system=request.system,
-        )
-        # special=True: the template's turn markers must become their control tokens.
-        tokens = self._llm.tokenize(
-            built.text.encode("utf-8"), add_bos=built.add_bos, special=built.mode == "chat-template"
-        )
-        return PreparedPrompt(tokens=tokens, mode=built.mode, stops=built.stops, text=built.text)
+    def model_text(self) -> ModelText:
+        return ModelText(self.chat_template, self._token_text(self._llm.token_bos()),
+                         self._token_text(self._llm.token_eos()))
+
+    def tokenize(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
+        return self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
 
     def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str]:
         """Yield each new token's text; stop at an end-of-generation token or max_tokens."""

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible request and response shapes: body → routed `Job`, events → JSON chunks.
+"""The OpenAI-compatible request and response shapes: body → routed request, events → JSON chunks.
 
 The tier comes from `model` when it names one; otherwise (`auto`, the recipe's name, nothing)
 the last user message's prefix or the heuristic picks it, exactly as `gemmactl run` does, and
@@ -7,19 +7,20 @@ the prefix is removed from what the model sees.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from gemmactl.errors import InvalidOptionError, UnknownTierError
+from gemmactl.errors import EmptyPromptError, InvalidOptionError, UnknownTierError
+from gemmactl.generate import make_request, route_prompt
 from gemmactl.recipes import Recipe
-from gemmactl.router import Route, route
+from gemmactl.router import Route
 from gemmactl.runtime.base import GenerationRequest
-from gemmactl.server.backends import Job
-from gemmactl.server.prompts import last_user_index, normalize_messages
 
 AUTO_MODELS = ("", "auto", "gemmactl", "default")
 SEPARATE_REASONING = ("separate", "deepseek", "parsed", "auto")
+ROLES = ("system", "developer", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Routed:
     kind: str  # "chat" or "completion"
     tier: str
     route: Route
-    job: Job
+    request: GenerationRequest  # the conversation (or raw prompt), sampling, stops; `whole` unless streamed
     stream: bool
     include_usage: bool
     reasoning: bool  # return thinking as reasoning_content instead of dropping it
@@ -57,7 +58,7 @@ def parse_request(kind: str, body: object, recipe: Recipe) -> Routed:
     if kind == "chat":
         messages = normalize_messages(body.get("messages"))
         index = last_user_index(messages)
-        chosen = route(messages[index]["content"], tiers, default_tier=recipe.default_tier, override=override)
+        chosen = _route(messages[index]["content"], recipe, override)
         messages[index] = dict(messages[index], content=chosen.prompt)
     else:
         prompt = body.get("prompt")
@@ -65,19 +66,20 @@ def parse_request(kind: str, body: object, recipe: Recipe) -> Routed:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise InvalidOptionError("'prompt' must be a string (token lists and batches are not supported)")
-        chosen = route(prompt, tiers, default_tier=recipe.default_tier, override=override)
-    if not chosen.prompt.strip():
-        raise InvalidOptionError("the prompt is empty" + (f" after the '{chosen.prefix}' prefix" if chosen.prefix else ""))
+        chosen = _route(prompt, recipe, override)
     tier = recipe.tier(chosen.tier)
-    request = _sampling(body, tier, chosen)
     n = body.get("n", 1)
     if n != 1:
         raise InvalidOptionError("only n=1 is supported")
     stream_options = body.get("stream_options") or {}
     stream = bool(body.get("stream", False))
+    request = make_request(
+        chosen, tier, thinking=_thinking(body), **_sampling(body),
+        messages=tuple(messages) if messages is not None else None, raw=messages is None,
+        stops=_stops(body.get("stop")), whole=not stream,
+    )
     return Routed(
-        kind=kind, tier=tier.name, route=chosen,
-        job=Job(request=request, messages=messages, stops=_stops(body.get("stop")), whole=not stream),
+        kind=kind, tier=tier.name, route=chosen, request=request,
         stream=stream,
         include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
         reasoning=body.get("reasoning_format") in SEPARATE_REASONING or body.get("include_reasoning") is True,
@@ -86,43 +88,85 @@ def parse_request(kind: str, body: object, recipe: Recipe) -> Routed:
     )
 
 
+def _route(text: str, recipe: Recipe, override: str | None) -> Route:
+    """route_prompt, with an empty prompt answered in this API's words."""
+    try:
+        return route_prompt(text, recipe, tier=override)
+    except EmptyPromptError as exc:
+        raise InvalidOptionError(exc.message) from None  # without the CLI's hint
+
+
+def message_text(message: dict) -> str:
+    """The text of an OpenAI message: a string, or the text parts of a content list."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise InvalidOptionError("only text content is supported (no images or audio in messages)")
+        return "".join(parts)
+    raise InvalidOptionError("message content must be a string or a list of text parts")
+
+
+def normalize_messages(messages: object) -> list[dict]:
+    """Validate OpenAI chat messages into [{"role", "content"}] with text content."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidOptionError("'messages' must be a non-empty list")
+    result = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise InvalidOptionError(f"messages[{index}] needs a role: one of {', '.join(ROLES)}")
+        role = "system" if message["role"] == "developer" else message["role"]
+        result.append({"role": role, "content": message_text(message)})
+    if not any(m["role"] == "user" for m in result):
+        raise InvalidOptionError("'messages' must hold at least one user message")
+    return result
+
+
+def last_user_index(messages: list[dict]) -> int:
+    return max(i for i, m in enumerate(messages) if m["role"] == "user")
+
+
 def _number(body: dict, key: str, *, integer: bool = False, low: float | None = None, high: float | None = None):
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise InvalidOptionError(f"'{key}' must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidOptionError(f"'{key}' must be a finite number, got {value!r}")
     if (low is not None and value < low) or (high is not None and value > high):
         raise InvalidOptionError(f"'{key}' is out of range: {value}")
     return value
 
 
-def _sampling(body: dict, tier, chosen: Route) -> GenerationRequest:
-    s = tier.sampling
+def _sampling(body: dict) -> dict:
+    """The body's sampling fields, checked in its own words (None: the tier's)."""
     max_tokens = _number(body, "max_completion_tokens", integer=True, low=1) or _number(body, "max_tokens", integer=True, low=1)
+    repeat = _number(body, "repeat_penalty", low=0)
+    return {
+        "max_tokens": max_tokens,
+        "temperature": _number(body, "temperature", low=0),
+        "top_k": _number(body, "top_k", integer=True, low=0),
+        "top_p": _number(body, "top_p", low=0, high=1),
+        "min_p": _number(body, "min_p", low=0, high=1),
+        "repeat_penalty": repeat if repeat else _number(body, "repetition_penalty", low=0),
+        "seed": _number(body, "seed", integer=True),
+    }
+
+
+def _thinking(body: dict) -> bool | None:
     thinking = body.get("thinking")
     kwargs = body.get("chat_template_kwargs")
     if thinking is None and isinstance(kwargs, dict):
         thinking = kwargs.get("enable_thinking")
-    if thinking is None:
-        thinking = tier.thinking if chosen.thinking is None else chosen.thinking
-    request = GenerationRequest(
-        prompt=chosen.prompt,
-        max_tokens=max_tokens or s.max_tokens,
-        temperature=_pick(_number(body, "temperature", low=0), s.temperature),
-        top_k=_pick(_number(body, "top_k", integer=True, low=0), s.top_k),
-        top_p=_pick(_number(body, "top_p", low=0, high=1), s.top_p),
-        min_p=_pick(_number(body, "min_p", low=0, high=1), s.min_p),
-        repeat_penalty=_pick(_number(body, "repeat_penalty", low=0) or _number(body, "repetition_penalty", low=0),
-                             s.repeat_penalty),
-        seed=_number(body, "seed", integer=True),
-        thinking=bool(thinking),
-    )
-    return replace(request, raw=False)
-
-
-def _pick(value, default):
-    return default if value is None else value
+    return None if thinking is None else bool(thinking)
 
 
 def _stops(stop: object) -> tuple[str, ...]:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gemmactl.errors import BackendError, ServerError
-from gemmactl.prompting import PromptText
-from gemmactl.runtime.base import Chunk, EngineTimings, GenerationRequest, PreparedPrompt
-from gemmactl.server.prompts import ModelText, completion_prompt, model_text_from_gguf, render_messages
+from gemmactl.formats.gguf_header import read_gguf_header
+from gemmactl.prompt.build import ModelText
+from gemmactl.runtime.base import Chunk, EngineTimings, GenerationRequest, PreparedPrompt, PromptedBackend
 
 log = logging.getLogger("gemmactl.serve")
 
@@ -26,23 +26,6 @@ RESTART_DELAYS = (0.0, 1.0, 2.0, 5.0, 10.0)  # seconds before each restart attem
 # A non-streamed answer: this many seconds, plus one per token asked for (the streamed path
 # allows 300 s between two tokens).
 WHOLE_ANSWER_TIMEOUT_S = 300
-
-
-@dataclass(frozen=True)
-class Job:
-    """One request as a backend sees it: chat messages or a raw prompt, sampling, extra stops."""
-
-    request: GenerationRequest  # sampling; its prompt is the user's last text (for the core's checks)
-    messages: list[dict] | None = None  # chat; None means request.prompt is continued as it is
-    stops: tuple[str, ...] = ()
-    # The caller takes the answer at once (a non-streamed request): a backend may make it in one
-    # piece instead of token by token.
-    whole: bool = False
-
-    def build(self, model: ModelText) -> PromptText:
-        if self.messages is None:
-            return completion_prompt(self.request.prompt)
-        return render_messages(self.messages, model, thinking=self.request.thinking)
 
 
 @dataclass
@@ -123,8 +106,11 @@ class ServerBackend:
     def _start_once(self) -> None:
         self.load_s = self.server.start()
         props = self.server.get_json("/props")
-        self.model_text = model_text_from_gguf(Path(self.model_path), props.get("bos_token", ""),
-                                               props.get("eos_token", ""))
+        # llama-server reports a fallback template for a model that has none: whether the model has
+        # its own chat template comes from the file.
+        template = read_gguf_header(Path(self.model_path), tensors=False).metadata.get("tokenizer.chat_template")
+        self.model_text = ModelText(str(template) if template else None, props.get("bos_token", ""),
+                                    props.get("eos_token", ""))
         self.info.command = list(self.server.command)
 
     def _watch(self) -> None:
@@ -163,37 +149,38 @@ class ServerBackend:
         self.server.stop()
         self.state = STOPPED
 
-    def session(self, job: Job) -> "ServerSession":
-        return ServerSession(self, job)
+    def session(self) -> "ServerSession":
+        return ServerSession(self)
 
 
-class ServerSession:
+class ServerSession(PromptedBackend):
     """One request against a ServerBackend, shaped as a `Backend` for `stream_generate`."""
 
     name = "llama-server"
 
-    def __init__(self, backend: ServerBackend, job: Job):
+    def __init__(self, backend: ServerBackend):
         self.backend = backend
         self.server = backend.server  # the process of this request, even if a restart replaces it
-        self.job = job
         self.model_path = backend.model_path
         self.load_s = backend.load_s
         self.context_size = backend.context
         self.final: dict = {}
 
+    def model_text(self) -> ModelText:
+        return self.backend.model_text
+
+    def tokenize(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
+        # Tokenized by the server itself, with the flags the in-process backend uses.
+        return self.server.post_json("/tokenize", {"content": text, "add_special": add_bos,
+                                                   "parse_special": special})["tokens"]
+
     def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         if self.backend.state != READY or not self.server.alive():
             raise ServerError(f"the backend of tier {'/'.join(self.backend.info.tiers)} is {self.backend.state}")
-        built = self.job.build(self.backend.model_text)
-        # Tokenized by the server itself with the flags `run` uses: BOS as the prompt mode says,
-        # control tokens parsed only in chat-template text.
-        tokens = self.server.post_json("/tokenize", {
-            "content": built.text, "add_special": built.add_bos, "parse_special": built.mode == "chat-template",
-        })["tokens"]
-        return PreparedPrompt(tokens=tokens, mode=built.mode, stops=built.stops + self.job.stops, text=built.text)
+        return super().prepare(request)
 
     def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str | Chunk]:
-        if self.job.whole:
+        if request.whole:
             yield self._whole(prompt, request)
             return
         # Timings on every event: the core may stop reading before the final one (max_tokens, a stop).
@@ -255,7 +242,6 @@ class InProcessBackend:
         self.load_s = loaded.load_s
         self.pid = None
         self.url = None
-        self.model_text = _in_process_model_text(loaded)
         self.info = BackendInfo(self.kind, self.model_path, list(tiers), 1, context, note)
 
     def start(self) -> None:
@@ -265,28 +251,31 @@ class InProcessBackend:
         self.state = STOPPED
         self.loaded.close()
 
-    def session(self, job: Job) -> "InProcessSession":
-        return InProcessSession(self, job)
+    def session(self) -> "InProcessSession":
+        return InProcessSession(self)
 
 
-class InProcessSession:
+class InProcessSession(PromptedBackend):
     """One request against an InProcessBackend, shaped as a `Backend` for `stream_generate`."""
 
-    def __init__(self, backend: InProcessBackend, job: Job):
+    def __init__(self, backend: InProcessBackend):
         self.backend = backend
         self.loaded = backend.loaded
         self.name = self.loaded.name
-        self.job = job
         self.model_path = backend.model_path
         self.load_s = backend.load_s
         self.context_size = backend.context
 
+    def model_text(self) -> ModelText:
+        return self.loaded.model_text()
+
+    def tokenize(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
+        return self.loaded.tokenize(text, add_bos=add_bos, special=special)
+
     def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         if self.backend.state != READY:
             raise BackendError(f"the in-process backend is {self.backend.state}")
-        built = self.job.build(self.backend.model_text)
-        tokens = _tokenize_in_process(self.loaded, built)
-        return PreparedPrompt(tokens=tokens, mode=built.mode, stops=built.stops + self.job.stops, text=built.text)
+        return super().prepare(request)
 
     def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str]:
         return self.loaded.generate(prompt, request)
@@ -300,27 +289,6 @@ class InProcessSession:
 
     def close(self) -> None:
         pass
-
-
-def _in_process_model_text(loaded) -> ModelText:
-    tokenizer = getattr(loaded, "tokenizer", None)
-    if tokenizer is not None:  # the int4 runtime: a transformers tokenizer
-        return ModelText(loaded.chat_template, tokenizer.bos_token or "", tokenizer.eos_token or "")
-    llm = loaded._llm  # llama-cpp-python's Llama
-    bos, eos = llm.token_bos(), llm.token_eos()
-    text = lambda token: llm.detokenize([token], special=True).decode("utf-8", errors="replace") if token >= 0 else ""
-    return ModelText(loaded.chat_template, text(bos), text(eos))
-
-
-def _tokenize_in_process(loaded, built: PromptText) -> list[int]:
-    """Token ids of a built prompt with the flags the backend's own prepare() uses."""
-    tokenizer = getattr(loaded, "tokenizer", None)
-    if tokenizer is not None:
-        ids = tokenizer(built.text, add_special_tokens=False)["input_ids"]
-        bos = [tokenizer.bos_token_id] if built.add_bos and tokenizer.bos_token_id is not None else []
-        return bos + ids
-    return loaded._llm.tokenize(built.text.encode("utf-8"), add_bos=built.add_bos,
-                                special=built.mode == "chat-template")
 
 
 def wait_ready(backends: Sequence, timeout: float) -> bool:

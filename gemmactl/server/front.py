@@ -16,7 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 from gemmactl.errors import BackendError, GemmactlError, ServerError, UnknownTierError, UserInputError
-from gemmactl.runtime.base import GenerationStats, stream_generate
+from gemmactl.generate import stream_generate
+from gemmactl.runtime.base import GenerationStats
 from gemmactl.server import api
 from gemmactl.server.lanes import Saturated, Unavailable
 from gemmactl.server.metrics import health, metrics_json, metrics_text, models
@@ -113,8 +114,8 @@ class FrontHandler(BaseHTTPRequestHandler):
             log.debug("client went away during a %s request", routed.tier)
 
     def _generate(self, routed: api.Routed, lane) -> None:
-        session = lane.backend.session(routed.job)
-        events = stream_generate(session, routed.job.request)
+        session = lane.backend.session()
+        events = stream_generate(session, routed.request)
         try:
             first = self._next(events, lane)  # before any header: errors here get a proper status
             if first is _FAILED:

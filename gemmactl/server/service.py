@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gemmactl.errors import GemmactlError, NoLlamaBuildError, PortInUseError
-from gemmactl.recipes import Recipe, Tier
+from gemmactl.recipes import Recipe
+from gemmactl.store.refs import ResolvedModel
 from gemmactl.server.backends import InProcessBackend, ServerBackend
 from gemmactl.server.lanes import Lane
 from gemmactl.server.peers import PeerSet
@@ -50,7 +51,7 @@ class BackendPlan:
 
     key: tuple
     kind: str  # "llama-server", "llamacpp" or "int4" (the last two in process)
-    model_path: Path
+    model: ResolvedModel
     tiers: list[str]
     context: int
     parallel: int
@@ -64,9 +65,9 @@ class BackendPlan:
 def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_build: bool
                   ) -> tuple[list[BackendPlan], dict[str, str], list[str]]:
     """(backend plans, tier → why it cannot run, warnings); loads nothing."""
+    from gemmactl.generate import backend_for, speculative_args
     from gemmactl.llamacpp.build import active_build
-    from gemmactl.models import resolve_model_ref
-    from gemmactl.oneshot import model_backend
+    from gemmactl.store.refs import RUNNABLE, resolve_model
 
     build = active_build(store)
     server_binary = build.binaries.get("llama-server") if build else None
@@ -78,9 +79,11 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
     for name, tier in recipe.tiers.items():
         hint = f" Make it with: {' && '.join(tier.make)}" if tier.make else ""
         try:
-            path = resolve_model_ref(tier.model, store, missing_hint=hint.strip() or None)
-            kind = model_backend(path, tier.backend)
-            spec_args, spec_note = speculative_args(tier, store, speculative and kind == "llamacpp")
+            model = resolve_model(tier.model, store, accept=RUNNABLE, missing_hint=hint.strip() or None)
+            path = model.path
+            kind = backend_for(model)
+            spec_args, spec_note = speculative_args(tier.speculative if speculative and kind == "llamacpp" else None,
+                                                    store)
         except GemmactlError as exc:
             unavailable[name] = f"{exc.message}.{hint or (' ' + exc.hint if exc.hint else '')}"
             continue
@@ -106,7 +109,7 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
         else:
             parallel = slots if kind == "llama-server" else 1
             served = kind == "llama-server"
-            plans[key] = BackendPlan(key, kind, path, [name], tier.context, parallel, spec_args, spec_note, slots_note,
+            plans[key] = BackendPlan(key, kind, model, [name], tier.context, parallel, spec_args, spec_note, slots_note,
                                      tier.flash_attn if served else "off", tier.backend_sampling and served)
     return list(plans.values()), unavailable, warnings
 
@@ -119,41 +122,6 @@ def auto_slots(model_path: Path, context: int, store: Store) -> tuple[int, str]:
         return auto_parallel(Path(model_path), context, store=store)
     except (GemmactlError, OSError, ValueError) as exc:
         return DEFAULT_SLOTS, f"parallel auto: {DEFAULT_SLOTS} slots (the planner could not read the model: {exc})"
-
-
-def speculative_args(tier: Tier, store: Store, allowed: bool) -> tuple[tuple[str, ...], str]:
-    """llama-server flags for the tier's speculative decoding, and how /metrics describes it."""
-    spec = tier.speculative
-    if spec is None or not spec.enabled or not allowed:
-        return (), "off"
-    from gemmactl.models import resolve_model_ref
-
-    args = ["--spec-type", spec.spec_type]
-    note = spec.kind
-    if spec.draft_model:
-        draft = resolve_model_ref(spec.draft_model, store)
-        args += ["-md", str(draft)]
-        note = f"{spec.kind} ({Path(draft).name})"
-    if spec.kind != "ngram":
-        args += ["--spec-draft-n-max", str(spec.draft_max), "--spec-draft-n-min", str(spec.draft_min)]
-    return tuple(args), note
-
-
-def placement_args(model_path: Path, context: int, parallel: int, store: Store | None = None
-                   ) -> tuple[tuple[str, ...], str]:
-    """llama-server placement flags from the planner (`gemmactl plan`), and why."""
-    try:
-        from gemmactl.plan.auto import auto_placement
-    except ImportError:
-        return ("-ngl", "999"), "no planner: all layers offered to the GPU"
-    try:
-        placement = auto_placement(Path(model_path), context, parallel=parallel, store=store)
-    except GemmactlError as exc:
-        return ("-ngl", "999"), f"planner failed ({exc.message}): all layers offered to the GPU"
-    if placement.applied and placement.server_args:
-        return tuple(placement.server_args), f"planned: {placement.reason}"
-    layers = "999" if placement.n_gpu_layers < 0 else str(placement.n_gpu_layers)
-    return ("-ngl", layers), placement.reason
 
 
 class Service:
@@ -232,6 +200,7 @@ class Service:
             self.lanes[name] = Lane(tier, by_tier.get(name), self.config.queue, unavailable=errors.get(name))
 
     def _open(self, plan: BackendPlan):
+        from gemmactl.generate import gpu_placement, open_backend
         from gemmactl.runtime.llamacpp import default_threads
 
         threads = self.config.threads or default_threads()
@@ -239,12 +208,15 @@ class Service:
         if plan.kind == "llama-server":
             from gemmactl.llamacpp.build import active_build
 
-            placement, note = placement_args(plan.model_path, plan.context, plan.parallel, self.store)
+            # The placement `run` would use, with this tier's slots.
+            placed = gpu_placement(plan.model.path, plan.context, parallel=plan.parallel, store=self.store)
+            placement = placed.llama_server_args
+            note = f"planned: {placed.reason}" if placed.applied else placed.reason
             if plan.slots_note:
                 note = f"{note}; {plan.slots_note}"
             build = active_build(self.store)
             backend = ServerBackend(
-                build.binary("llama-server"), plan.model_path, tiers=plan.tiers, context=plan.context,
+                build.binary("llama-server"), plan.model.path, tiers=plan.tiers, context=plan.context,
                 parallel=plan.parallel, threads=threads, log_dir=self.store.home / "logs" / "serve",
                 placement=placement, placement_note=note, speculative=plan.spec_note,
                 extra_args=plan.spec_args + (("--backend-sampling",) if plan.backend_sampling else ()),
@@ -256,19 +228,13 @@ class Service:
                      plan.parallel, plan.context, plan.flash_attn, "on" if plan.backend_sampling else "off", note,
                      plan.spec_note, time.perf_counter() - started)
             return backend
-        from gemmactl.runtime import backend_class
-
-        options = {}
-        if plan.kind == "llamacpp":
-            from gemmactl.llamacpp.library import select_library
-
-            options["library"] = select_library(self.store)
-        loaded = backend_class(plan.kind)(str(plan.model_path), context_size=plan.context, **options)
-        for notice in getattr(loaded, "notices", []):
+        loaded = open_backend(plan.model, context=plan.context, store=self.store, threads=threads)
+        for notice in loaded.notices:
             log.warning(notice)
         log.info("tiers %s: %s in process, one request at a time (%.1f s)", ",".join(plan.tiers), plan.kind,
                  time.perf_counter() - started)
-        return InProcessBackend(loaded, tiers=plan.tiers, context=plan.context, note="in process")
+        note = "in process" + (f"; {loaded.placement.reason}" if loaded.placement is not None else "")
+        return InProcessBackend(loaded, tiers=plan.tiers, context=plan.context, note=note)
 
     def state(self) -> dict:
         tiers = {}

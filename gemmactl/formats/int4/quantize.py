@@ -7,12 +7,14 @@ import mmap
 import os
 import shutil
 import time
+from datetime import datetime, timezone
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from gemmactl import __version__
 from gemmactl.errors import OutputExistsError, UnsupportedCheckpointError
+from gemmactl.fileio import atomic_write_text
 from gemmactl.formats.int4.checkpoint import Checkpoint, SourceTensor, TensorSource, copy_tokenizer, open_checkpoint
 from gemmactl.formats.int4.layout import Layout, QuantizeOptions, plan_layout
 from gemmactl.formats.int4.spec import (
@@ -26,7 +28,6 @@ from gemmactl.formats.int4.spec import (
     unpack_header,
 )
 from gemmactl.formats.int4.writer import Int4ShardWriter, crc32_of
-from gemmactl.store import utc_now
 
 CHUNK_BYTES = 16 << 20  # float32 bytes of source rows quantized at once: bounds peak memory
 Progress = Callable[[int, int], None]
@@ -110,7 +111,7 @@ def build_index(checkpoint: Checkpoint, layout: Layout, *, source, revision, tok
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
-        "created": utc_now(),
+        "created": _utc_now(),
         "writer": f"gemmactl {__version__}",
         "source": {
             "model": source or str(checkpoint.path),
@@ -160,9 +161,7 @@ def prepare_output(out_dir: Path, layout: Layout, force: bool) -> set[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("*.partial"):
         stale.unlink()
-    tmp = marker.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"plan": plan, "started": utc_now()}) + "\n")
-    os.replace(tmp, marker)
+    atomic_write_text(marker, json.dumps({"plan": plan, "started": _utc_now()}) + "\n")
     return {name for name, size in layout.shards if _finished_shard(out_dir / name, size, layout.fingerprint)}
 
 
@@ -258,3 +257,7 @@ def _bytes(tensor) -> memoryview:
     import torch
 
     return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -14,16 +14,14 @@ so a test can kill a run deterministically between shards.
 
 from __future__ import annotations
 
-from gemmactl.fileio import fsync_dir
-
 import enum
 import json
 import os
-import tempfile
 import time
 import zlib
 from pathlib import Path
 
+from gemmactl.fileio import atomic_write_text, fsync_dir
 from gemmactl.formats.int4.layout import Layout
 from gemmactl.formats.int4.spec import INDEX_NAME, PARTIAL_MARKER, TensorRecord, pack_header
 
@@ -159,17 +157,7 @@ class Int4ShardWriter:
         self._expect(WriterState.READY)
         if self._shard_index != len(self.layout.shards):
             raise WriterStateError(f"index written after {self._shard_index} of {len(self.layout.shards)} shards")
-        text = json.dumps(index, indent=1) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=".index.", suffix=".tmp", dir=self.out_dir)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, self.out_dir / INDEX_NAME)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_text(self.out_dir / INDEX_NAME, json.dumps(index, indent=1) + "\n")
         (self.out_dir / PARTIAL_MARKER).unlink(missing_ok=True)
         fsync_dir(self.out_dir)
         self.state = WriterState.FINISHED

@@ -1,7 +1,8 @@
-"""Memory sizes as people type them: `4G`, `4GB`, `4GiB`, `4096M`, `3.5G`.
+"""Sizes as people type and read them: one rule for every option, one formatter for every output.
 
-Every unit is binary: K/KB/KiB = 1024, M/MB/MiB = 1024², G/GB/GiB = 1024³, T/TB/TiB = 1024⁴,
-the way GPU memory is sold (a "4 GB" card reports 4096 MiB). A bare number is bytes.
+Every unit is binary, the way memory is sold and reported (a "4 GB" card shows 4096 MiB):
+K = KB = KiB = 1024, M = MB = MiB = 1024², G = GB = GiB = 1024³, T = TB = TiB = 1024⁴, any case.
+So `4G`, `4GB` and `4GiB` are all 4,294,967,296 bytes. A bare number is a count of bytes.
 """
 
 from __future__ import annotations
@@ -14,19 +15,17 @@ from gemmactl.errors import InvalidOptionError
 _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 MAX_BYTES = 1 << 60  # 1 EiB: anything larger is a typo, not a machine
+HINT = "Write it like 4G, 4GB, 4GiB, 4096M or 3.5G (units are powers of 1024)."
 
 
 def parse_size(text: str, *, option: str = "size") -> int:
-    """Bytes in a size string; refuses zero, negatives, nonsense and absurd sizes."""
+    """Bytes in a size string; refuses zero, negatives, nonsense and absurd sizes (naming the option)."""
     raw = str(text)
     if raw.strip().startswith("-"):
         raise InvalidOptionError(f"{option} must be more than zero, got '{raw}'", hint="Give a size such as 4G.")
     match = _SIZE.match(raw)
     if not match:
-        raise InvalidOptionError(
-            f"{option} '{raw}' is not a size",
-            hint="Write it like 4G, 4GB, 4GiB, 4096M or 3.5G (units are powers of 1024).",
-        )
+        raise InvalidOptionError(f"{option} '{raw}' is not a size", hint=HINT)
     number, unit = match.groups()
     value = float(number) * 1024 ** _UNITS[unit.upper()]
     if not math.isfinite(value) or value > MAX_BYTES:
@@ -36,8 +35,11 @@ def parse_size(text: str, *, option: str = "size") -> int:
     return int(value)
 
 
-def format_size(n: int | float, *, unit_suffix: bool = True) -> str:
-    """A binary size for people: '3.6 GiB'; without the suffix, a value parse_size reads back ('3.7G', rounded up)."""
+def format_size(n: int | float | None, *, unit_suffix: bool = True) -> str:
+    """A binary size for people: '3.6 GiB' ('-' for unknown); without the suffix, a value parse_size
+    reads back ('3.7G', rounded up)."""
+    if n is None:
+        return "-"
     for unit, power in (("T", 4), ("G", 3), ("M", 2), ("K", 1)):
         scaled = n / 1024**power
         if scaled >= 1:

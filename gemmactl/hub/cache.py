@@ -14,17 +14,16 @@ an offline pull can say exactly which files a snapshot still lacks.
 
 from __future__ import annotations
 
-from gemmactl.fileio import sha256_file  # noqa: F401 - part of this module's API
-
 import hashlib
 import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from gemmactl.fileio import atomic_write_text, sha256_file
 
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 LISTING_FORMAT = "gemmactl-hub-listing"
@@ -128,7 +127,7 @@ class RepoCache:
             return
         path = self.refs / revision
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, commit)
+        atomic_write_text(path, commit)
 
     def present_bytes(self, file: RepoFile) -> tuple[bool, int]:
         """(complete, bytes on disk): a complete blob, or how much of a partial download exists."""
@@ -175,7 +174,7 @@ def save_listing(home: Path, repo_id: str, commit: str, files: list[RepoFile]) -
         "commit": commit,
         "files": [file.to_dict() for file in files],
     }
-    _write_atomically(path, json.dumps(document, indent=1) + "\n")
+    atomic_write_text(path, json.dumps(document, indent=1) + "\n")
 
 
 def load_listing(home: Path, repo_id: str, commit: str) -> list[RepoFile] | None:
@@ -214,7 +213,7 @@ class CheckedBlobs:
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(self.path, json.dumps(self.entries, indent=1, sort_keys=True) + "\n")
+        atomic_write_text(self.path, json.dumps(self.entries, indent=1, sort_keys=True) + "\n")
 
 
 def _stamp(path: Path) -> list[int]:
@@ -307,17 +306,6 @@ def _prune(cache: RepoCache, commit: str) -> None:
 
 
 # -- small file helpers --------------------------------------------------------------------------
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink(Path(tmp))
-        raise
 
 
 def _unlink(path: Path) -> None:

@@ -1,29 +1,6 @@
-"""Made artifacts (int4-stream for now): find one by store name or path, and describe what it holds."""
+"""What an int4-stream artifact holds: totals, compression against bf16, and one row per layer."""
 
 from __future__ import annotations
-
-from pathlib import Path
-
-from gemmactl.errors import NotAnArtifactError
-from gemmactl.store import Store
-
-
-def resolve_artifact(ref: str, store: Store) -> Path:
-    """The directory of an int4-stream artifact named by store name or path."""
-    from gemmactl.formats.int4 import STORE_FORMAT
-
-    artifact = store.get(ref)
-    if artifact is not None:
-        if artifact.format != STORE_FORMAT:
-            raise NotAnArtifactError(
-                f"'{ref}' is a {artifact.format} entry in the store, not an {STORE_FORMAT} artifact",
-                hint="`gemmactl inspect` reads int4-stream artifacts; make one with `gemmactl quantize MODEL --int4-stream`.",
-            )
-        return Path(artifact.path)
-    path = Path(ref).expanduser()
-    if path.exists():
-        return path
-    raise NotAnArtifactError(f"no int4-stream artifact at '{ref}' (no such directory or store entry)")
 
 
 def summarize(artifact) -> dict:

@@ -1,22 +1,20 @@
-"""The local model store: a models directory plus a JSON manifest of what it holds."""
+"""The store's manifest: a models directory plus a JSON manifest of what it holds."""
 
 from __future__ import annotations
 
 import builtins
-import fcntl
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from gemmactl.errors import ModelNotFoundError, StoreEntryNotFoundError, StoreError
-from gemmactl.fileio import fsync_dir
+from gemmactl.fileio import atomic_write_text, exclusive_lock
 
 MANIFEST_FORMAT = "gemmactl-manifest"
 MANIFEST_VERSION = 1
@@ -225,17 +223,13 @@ class Store:
     @contextmanager
     def _locked(self) -> Iterator[None]:
         """Hold the exclusive manifest lock, so read-modify-write cycles of several processes serialize."""
-        try:
-            self.home.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise StoreError(f"cannot open the store lock {self.lock_path}: {exc}") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with ExitStack() as held:
+            try:
+                self.home.mkdir(parents=True, exist_ok=True)
+                held.enter_context(exclusive_lock(self.lock_path))
+            except OSError as exc:
+                raise StoreError(f"cannot open the store lock {self.lock_path}: {exc}") from exc
             yield
-        finally:
-            # Closing the descriptor releases the flock.
-            os.close(fd)
 
     def _update(self, change: Callable[[dict[str, Artifact]], None]) -> None:
         """Apply a change to the manifest under the lock and write it back atomically."""
@@ -252,27 +246,7 @@ class Store:
             "artifacts": {name: artifacts[name].to_dict() for name in sorted(artifacts)},
         }
         text = json.dumps(document, indent=2, sort_keys=True) + "\n"
-        fd, tmp_name = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=self.home)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp_name, self.manifest_path)
+            atomic_write_text(self.manifest_path, text)
         except OSError as exc:
-            _unlink_quietly(tmp_name)
             raise StoreError(f"cannot write the store manifest {self.manifest_path}: {exc}") from exc
-        except BaseException:
-            _unlink_quietly(tmp_name)
-            raise
-        fsync_dir(self.home)
-
-
-def _unlink_quietly(path: str) -> None:
-    """Remove a file if it is still there."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-

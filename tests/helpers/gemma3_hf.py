@@ -7,7 +7,7 @@ so the result is cached under $GEMMACTL_TEST_CACHE (default ~/.cache/gemmactl-te
 gemma3-270m-hf-<sha prefix>/, built in a temporary folder and renamed into place so a killed
 build never leaves a half cache.
 
-    python tests/gemma3_hf.py GGUF_PATH    # build (or find) the cache and print its path
+    python tests/helpers/gemma3_hf.py GGUF_PATH    # build (or find) the cache and print its path
 """
 
 from __future__ import annotations

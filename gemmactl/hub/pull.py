@@ -30,7 +30,7 @@ from gemmactl.errors import (
     IntegrityError,
     InvalidOptionError,
 )
-from gemmactl.hub_cache import (
+from gemmactl.hub.cache import (
     CheckedBlobs,
     RepoCache,
     RepoFile,
@@ -39,7 +39,8 @@ from gemmactl.hub_cache import (
     load_listing,
     save_listing,
 )
-from gemmactl.hub_select import Selection, select_files, validate_repo_id
+from gemmactl.hub.select import Selection, select_files, validate_repo_id
+from gemmactl.sizes import format_size
 from gemmactl.store import Artifact, Store
 
 DEFAULT_REVISION = "main"
@@ -206,7 +207,7 @@ def check_disk_space(plan: PullPlan, states: list[FileState]) -> tuple[int, int]
     needed, free = missing_bytes(states), free_bytes(plan.cache.cache_dir)
     if needed > free:
         raise DiskSpaceError(
-            f"{plan.repo_id} needs {_size(needed)} more in {plan.cache.cache_dir}, which has {_size(free)} free"
+            f"{plan.repo_id} needs {format_size(needed)} more in {plan.cache.cache_dir}, which has {format_size(free)} free"
         )
     return needed, free
 
@@ -470,11 +471,3 @@ def _progress_bars(enabled: bool) -> Iterator[None]:
         yield
     finally:
         enable_progress_bars()
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gemmactl.errors import InvalidRepoIdError, NoFilesSelectedError
-from gemmactl.hub_cache import RepoFile
+from gemmactl.hub.cache import RepoFile
 
 DEFAULT_QUANT = "Q4_K_M"
 

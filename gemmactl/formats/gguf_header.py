@@ -1,8 +1,9 @@
-"""A GGUF header reader: metadata and tensor descriptions, never tensor data.
+"""The one GGUF header reader: metadata and tensor descriptions, never tensor data.
 
-The planner runs on installations without gguf-py (the llama.cpp path stays light), so this
-reads the header itself: magic, version, key/value pairs, then one record per tensor (name,
-dims, ggml type, offset). Large arrays (the tokenizer's 262,144 strings) are skipped, not kept.
+gemmactl's llama.cpp path runs without gguf-py, so this reads the header itself: magic,
+version, key/value pairs, then one record per tensor (name, dims, ggml type, offset). The
+planner, the server's prompt building and the Gemma 4 tokenizer builder all read GGUF files
+through it. Large arrays (the tokenizer's 262,144 strings) are skipped unless asked for by key.
 """
 
 from __future__ import annotations
@@ -28,7 +29,17 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 
 # GGUF value type id → struct format of a scalar (8 = string, 9 = array are handled apart).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_KEEP_ARRAY = 4096  # arrays longer than this are skipped (tokenizer vocabularies)
+_KEEP_ARRAY = 4096  # arrays longer than this are skipped (tokenizer vocabularies) unless asked for
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(path: Path) -> bool:
+    """True when path is a file that starts with the GGUF magic bytes."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -66,8 +77,9 @@ def tensor_nbytes(type_id: int, shape: tuple[int, ...], name: str = "") -> int:
 
 
 class _Cursor:
-    def __init__(self, data):
+    def __init__(self, data, keep_arrays: bool = False):
         self.data, self.pos = data, 0
+        self.keep_arrays = keep_arrays  # keep the next value's array whatever its length
 
     def take(self, fmt: str):
         value = struct.unpack_from(fmt, self.data, self.pos)
@@ -91,7 +103,7 @@ class _Cursor:
             return self.string()
         if kind == 9:
             item_kind, count = self.take("<I"), self.take("<Q")
-            if count > _KEEP_ARRAY:
+            if count > _KEEP_ARRAY and not self.keep_arrays:
                 if item_kind in _SCALARS:
                     self.pos += count * struct.calcsize(_SCALARS[item_kind])
                 else:
@@ -108,22 +120,26 @@ class _Cursor:
             self.value(kind)
 
 
-def read_gguf_header(path: Path) -> GGUFHeader:
-    """Parse a GGUF file's metadata and tensor table (memory-mapped; no tensor data is touched)."""
+def read_gguf_header(path: Path, *, arrays: tuple[str, ...] = (), tensors: bool = True) -> GGUFHeader:
+    """Parse a GGUF file's metadata and tensor table (memory-mapped; no tensor data is touched).
+
+    arrays: keys whose arrays are kept whatever their length (e.g. "tokenizer.ggml.tokens");
+    tensors: False stops after the metadata.
+    """
     import mmap
 
     path = Path(path)
     try:
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return _parse(path, mapped)
+            return _parse(path, mapped, set(arrays), tensors)
     except (OSError, ValueError) as exc:
         raise NotAGGUFError(f"{path} is not a readable GGUF file ({exc})") from exc
 
 
-def _parse(path: Path, data) -> GGUFHeader:
+def _parse(path: Path, data, arrays: set[str], with_tensors: bool) -> GGUFHeader:
     cursor = _Cursor(data)
     try:
-        if data[:4] != b"GGUF":
+        if data[:4] != GGUF_MAGIC:
             raise NotAGGUFError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
         cursor.pos = 4
         version = cursor.take("<I")
@@ -133,9 +149,11 @@ def _parse(path: Path, data) -> GGUFHeader:
         metadata: dict = {}
         for _ in range(n_kv):
             key = cursor.string()
+            cursor.keep_arrays = key in arrays
             metadata[key] = cursor.value(cursor.take("<I"))
+        cursor.keep_arrays = False
         tensors = []
-        for _ in range(n_tensors):
+        for _ in range(n_tensors if with_tensors else 0):
             name = cursor.string()
             dims = tuple(cursor.take("<Q") for _ in range(cursor.take("<I")))
             type_id = cursor.take("<I")

@@ -1,0 +1,176 @@
+"""The one road from a prompt to a model: route → request → resolve → open (placement applied) → stream.
+
+`run`, `serve` (in-process tiers whole, llama-server tiers for their placement), `bench`,
+`doctor` and `plan --verify` all come through here, so a model is resolved, placed and opened
+the same way whoever asks. The stream itself is `runtime.base.stream_generate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gemmactl.errors import BackendUnavailableError, EmptyPromptError, GemmactlError
+from gemmactl.recipes import Recipe, Speculative, Tier
+from gemmactl.router import Route, route
+from gemmactl.runtime import available_backends, backend_class
+from gemmactl.runtime.base import Backend, GenerationRequest, GpuPlacement, stream_generate
+from gemmactl.store import Store
+from gemmactl.store.refs import GGUF, INT4_STREAM, RUNNABLE, ResolvedModel, resolve_model
+
+__all__ = ["RunSpec", "route_prompt", "make_request", "plan_run", "resolve_run_model", "open_backend",
+           "open_model", "gpu_placement", "speculative_args", "stream_generate"]
+
+# The backend each runnable format needs.
+BACKEND_OF_FORMAT = {GGUF: "llamacpp", INT4_STREAM: "int4"}
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything decided before a model is touched: route, tier, model and request."""
+
+    route: Route
+    tier: Tier
+    model_ref: str
+    model_from_recipe: bool
+    request: GenerationRequest
+
+
+# -- route and request ---------------------------------------------------------------------------
+
+
+def route_prompt(text: str, recipe: Recipe, *, tier: str | None = None) -> Route:
+    """Pick the tier for a prompt, and make sure something is left to answer once its prefix is gone."""
+    if not text.strip():
+        raise EmptyPromptError("the prompt is empty")
+    chosen = route(text, list(recipe.tiers), default_tier=recipe.default_tier, override=tier)
+    if not chosen.prompt.strip():
+        raise EmptyPromptError(f"the prompt is empty after the '{chosen.prefix}' prefix")
+    return chosen
+
+
+def make_request(chosen: Route, tier: Tier, *, thinking: bool | None = None, **settings) -> GenerationRequest:
+    """The request for a routed prompt: the tier's sampling, changed by the caller's settings (None keeps
+    the tier's); thinking from the caller, else the prefix, else the tier."""
+    if thinking is None:
+        thinking = tier.thinking if chosen.thinking is None else chosen.thinking
+    return GenerationRequest.from_sampling(chosen.prompt, tier.sampling, thinking=thinking, **settings)
+
+
+def plan_run(
+    prompt: str,
+    recipe: Recipe,
+    *,
+    tier: str | None = None,
+    model: str | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    seed: int | None = None,
+    raw: bool = False,
+) -> RunSpec:
+    """Route a one-shot prompt and decide tier, model and sampling; loads nothing."""
+    chosen = route_prompt(prompt, recipe, tier=tier)
+    spec_tier = recipe.tier(chosen.tier)
+    request = make_request(chosen, spec_tier, max_tokens=max_tokens, temperature=temperature, seed=seed, raw=raw)
+    check_backend(recipe, spec_tier)
+    return RunSpec(route=chosen, tier=spec_tier, model_ref=model or spec_tier.model,
+                   model_from_recipe=model is None, request=request)
+
+
+def check_backend(recipe: Recipe, tier: Tier) -> None:
+    """Refuse a tier whose backend this installation cannot run, naming a tier that can."""
+    if tier.backend in available_backends():
+        return
+    others = [name for name, other in recipe.tiers.items() if name != tier.name and other.backend in available_backends()]
+    raise BackendUnavailableError(
+        f"tier '{tier.name}' runs on the {tier.backend} backend, which needs "
+        f"{tier.needs or 'support this version of gemmactl does not have'}",
+        hint=f"Use another tier (--tier {others[0] if others else recipe.default_tier}) for now"
+        + (f"; its model is made with: {' && '.join(tier.make)}" if tier.make else "") + ".",
+    )
+
+
+# -- resolve -------------------------------------------------------------------------------------
+
+
+def resolve_run_model(spec: RunSpec, store: Store, progress: Callable[[int, int], None] | None = None) -> ResolvedModel:
+    """The GGUF file or int4-stream artifact the run will load (assembling the embedded model on first use)."""
+    hint = f"Make it with: {' && '.join(spec.tier.make)}" if spec.model_from_recipe and spec.tier.make else None
+    return resolve_model(spec.model_ref, store, accept=RUNNABLE, missing_hint=hint, progress=progress)
+
+
+def backend_for(model: ResolvedModel) -> str:
+    """The backend a model's format needs (GGUF → llamacpp, int4-stream → int4)."""
+    return BACKEND_OF_FORMAT[model.format]
+
+
+# -- open ----------------------------------------------------------------------------------------
+
+
+def open_backend(
+    model: ResolvedModel,
+    *,
+    context: int,
+    store: Store,
+    placement: GpuPlacement | str | None = AUTO,
+    parallel: int = 1,
+    library=None,
+    threads: int | None = None,
+    extra_args: dict | None = None,
+) -> Backend:
+    """Load the model on the backend its format needs.
+
+    llama.cpp models run on the active build's library when it matches, placed by the planner
+    (`placement="auto"`: all layers on the GPU when they fit, the plan's split when they do not,
+    docs/placement.md) or as the caller says (a GpuPlacement; None: llama.cpp's own default).
+    """
+    kind = backend_for(model)
+    options: dict = {"context_size": context, "n_threads": threads}
+    if kind == "llamacpp":
+        from gemmactl.llamacpp.library import select_library
+
+        if placement == AUTO:
+            placement = gpu_placement(model.path, context, parallel=parallel, store=store)
+        extra = dict(extra_args or {})
+        if placement is not None and placement.applied:
+            options.update(n_gpu_layers=placement.n_gpu_layers, tensor_overrides=placement.tensor_overrides)
+            extra.setdefault("swa_full", False)  # the plan sized the sliding layers' KV to the window
+        options.update(library=library or select_library(store), placement=placement, extra_args=extra)
+    return backend_class(kind)(str(model.path), **options)
+
+
+def open_model(ref: str, store: Store, *, accept: tuple[str, ...] = RUNNABLE, context: int,
+               placement: GpuPlacement | str | None = AUTO, **options) -> Backend:
+    """Resolve a model reference and open it (doctor's proof, plan --verify, scripts)."""
+    return open_backend(resolve_model(ref, store, accept=accept), context=context, store=store, placement=placement,
+                        **options)
+
+
+def gpu_placement(model_path: Path, context: int, *, parallel: int = 1, store: Store | None = None) -> GpuPlacement:
+    """Where llama.cpp should put a GGUF's layers on this machine, from the planner (headers only).
+
+    A planner that cannot read the model leaves every layer offered to the GPU, and says why.
+    """
+    try:
+        from gemmactl.plan.auto import auto_placement
+
+        return auto_placement(Path(model_path), context, parallel=parallel, store=store)
+    except (GemmactlError, OSError, ValueError) as exc:
+        return GpuPlacement.all_on_gpu(f"planner failed ({exc}): every layer offered to the GPU")
+
+
+def speculative_args(spec: Speculative | None, store: Store) -> tuple[tuple[str, ...], str]:
+    """llama-server flags for a tier's speculative decoding, and how /metrics and bench describe it."""
+    if spec is None or not spec.enabled:
+        return (), "off"
+    args = ["--spec-type", spec.spec_type]
+    note = spec.kind
+    if spec.draft_model:
+        draft = resolve_model(spec.draft_model, store, accept=(GGUF,)).path
+        args += ["-md", str(draft)]
+        note = f"{spec.kind} ({draft.name})"
+    if spec.kind != "ngram":
+        args += ["--spec-draft-n-max", str(spec.draft_max), "--spec-draft-n-min", str(spec.draft_min)]
+    return tuple(args), note

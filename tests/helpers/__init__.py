@@ -1,0 +1,1 @@
+"""Code the tests share (and the benchmarks reuse): model builders, a fake hub, checkpoint makers."""

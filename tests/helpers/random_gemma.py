@@ -1,0 +1,155 @@
+"""Random-weight Gemma checkpoints shaped like the real ones: tiny for tests, full size for benchmarks.
+
+Tiny Gemma 4 kinds (layer patterns, per-layer embeddings, shared KV, MoE) mirror the real models'
+patterns: llama.cpp aborts on KV-shared layers that do not line up with the sliding/full pattern.
+Full-size kinds (the published Gemma 4 E2B text configuration; Gemma 3 270M as recorded in the
+embedded GGUF) stand in for models whose weights a measuring machine does not have: random
+weights run exactly as fast as trained ones of the same shapes and quantization.
+
+    python tests/helpers/random_gemma.py e2b OUT_DIR --vocab ggml-vocab-gemma-4.gguf [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+_TINY = dict(
+    vocab_size=262_144,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    global_head_dim=64,
+    sliding_window=16,
+    max_position_embeddings=4096,
+    vocab_size_per_layer_input=262_144,
+)
+
+TINY_CONFIGS: dict[str, dict] = {
+    # E2B/E4B style: per-layer embeddings, (4 sliding + 1 full) × 2.
+    "dense-ple": dict(
+        _TINY, num_hidden_layers=10, layer_types=([SLIDING] * 4 + [FULL]) * 2, hidden_size_per_layer_input=16
+    ),
+    # The same with the last 5 layers reading the KV of earlier layers (the E2B/E4B arrangement).
+    "shared-kv": dict(
+        _TINY,
+        num_hidden_layers=10,
+        layer_types=([SLIDING] * 4 + [FULL]) * 2,
+        hidden_size_per_layer_input=16,
+        num_kv_shared_layers=5,
+    ),
+    # 26B-A4B style: (5 sliding + 1 full) × 2, 8 experts top-2, K = V with one global KV head.
+    "moe": dict(
+        _TINY,
+        num_hidden_layers=12,
+        layer_types=([SLIDING] * 5 + [FULL]) * 2,
+        hidden_size_per_layer_input=0,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+    ),
+}
+
+# The published Gemma 4 E2B text configuration (35 layers, the last 20 reading shared KV).
+E2B = dict(
+    hidden_size=1536,
+    intermediate_size=6144,
+    num_hidden_layers=35,
+    num_attention_heads=8,
+    num_key_value_heads=1,
+    head_dim=256,
+    global_head_dim=512,
+    sliding_window=512,
+    vocab_size=262_144,
+    vocab_size_per_layer_input=262_144,
+    hidden_size_per_layer_input=256,
+    num_kv_shared_layers=20,
+    use_double_wide_mlp=True,
+    final_logit_softcapping=30.0,
+    layer_types=([SLIDING] * 4 + [FULL]) * 7,
+    max_position_embeddings=131_072,
+)
+
+# Gemma 3 270M, as recorded in the embedded GGUF's metadata (same shapes, so the same speed).
+GEMMA3_270M = dict(
+    hidden_size=640,
+    intermediate_size=2048,
+    num_hidden_layers=18,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    sliding_window=512,
+    vocab_size=262_144,
+    max_position_embeddings=32_768,
+    layer_types=([SLIDING] * 5 + [FULL]) * 3,
+)
+
+FULL_SIZE = {"e2b": ("gemma4", E2B), "gemma3-270m": ("gemma3", GEMMA3_270M)}
+KINDS = tuple(TINY_CONFIGS) + tuple(FULL_SIZE)
+
+
+def gemma_config(kind: str):
+    """The transformers text config of a kind."""
+    from transformers import Gemma3TextConfig, Gemma4TextConfig
+
+    if kind in TINY_CONFIGS:
+        return Gemma4TextConfig(**TINY_CONFIGS[kind])
+    family, values = FULL_SIZE[kind]
+    return (Gemma4TextConfig if family == "gemma4" else Gemma3TextConfig)(**values)
+
+
+def tiny_gemma4_config(kind: str):
+    return gemma_config(kind)
+
+
+def build_random_gemma(kind: str, out_dir: Path, *, seed: int = 0, dtype: str = "bfloat16", device: str = "cpu",
+                       vocab: Path | None = None) -> Path:
+    """Save a random Gemma text model (safetensors + config) into out_dir; vocab: a llama.cpp vocabulary
+    GGUF whose tokenizer is written beside it (Gemma 4's ggml-vocab-gemma-4.gguf)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma4ForCausalLM
+
+    torch.manual_seed(seed)
+    config = gemma_config(kind)
+    model_class = Gemma3ForCausalLM if config.model_type.startswith("gemma3") else Gemma4ForCausalLM
+    # Built on the target device: random initialisation of billions of parameters on the CPU
+    # takes minutes, on a GPU seconds.
+    with torch.device(device):
+        model = model_class(config)
+    model = model.to(getattr(torch, dtype)).eval()
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    if vocab is not None:
+        from gemmactl.formats.gguf_vocab import write_hf_tokenizer
+
+        write_hf_tokenizer(vocab, out_dir)
+    return out_dir
+
+
+def build_tiny_gemma4(kind: str, out_dir: Path, *, seed: int = 0, dtype: str = "bfloat16") -> Path:
+    """Save a random tiny Gemma 4 text model (safetensors + config) into out_dir."""
+    return build_random_gemma(kind, out_dir, seed=seed, dtype=dtype)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Save a random-weight Gemma checkpoint shaped like a real one.")
+    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--vocab", type=Path, help="llama.cpp vocabulary GGUF for the tokenizer files")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    build_random_gemma(args.kind, args.out, vocab=args.vocab, device=args.device)
+    print(f"{args.kind}: saved to {args.out} in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
