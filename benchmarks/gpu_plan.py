@@ -82,7 +82,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     from gemmactl.plan.report import build_plan, plan_dict
-    from gemmactl.plan.sizes import parse_size
+    from gemmactl.sizes import parse_size
 
     cap_mib = parse_size(args.vram) // (1 << 20)
     results = []

@@ -1,7 +1,7 @@
 """Perplexity and KL divergence of int4-stream (group 32/64/128) against the bf16 checkpoint, with torch.
 
-The text is a fixed file (default /usr/share/common-licenses/GPL-3), tokenized once with the
-checkpoint's tokenizer; its first --tokens tokens are cut into non-overlapping windows of
+The text is a fixed file (--text; the recorded figures used /usr/share/common-licenses/GPL-3 of
+Debian/Ubuntu), tokenized once with the checkpoint's tokenizer; its first --tokens tokens are cut into non-overlapping windows of
 --window tokens, each starting with BOS, and every position after the first of each window is
 scored. Every model sees exactly the same token ids, so any logits source can be compared:
 
@@ -11,7 +11,7 @@ A candidate is any function window_ids -> [T, V] logits: `torch_logits(model)` f
 models, `llama_logits(gguf)` for a GGUF through llama-cpp-python (e.g. llama.cpp's Q4_K_M and
 Q4_0 of the same checkpoint, made with the active build's llama-quantize).
 
-    python benchmarks/int4_fidelity.py --checkpoint DIR [--tokens 4096] [--window 512]
+    python benchmarks/int4_fidelity.py --checkpoint DIR --text FILE [--tokens 4096] [--window 512]
         [--variants g32 g64 g128 g32-minmax g32-calib-s8 ...] [--calibration TEXT]
         [--gguf NAME=FILE ...] [--out results.json]
 
@@ -19,7 +19,8 @@ A variant names its group size and options, joined by "-": `gN` (group size), `m
 plain min/max fit instead of the squared-error search), `calib` (weigh the search by activation
 importance measured on --calibration, which must not be the evaluation text), `s8`/`s4`
 (`--sensitive int8`/`int4`, s4 when not named). The reference's logits are computed once per
-window and kept on disk, so each candidate costs one forward pass per window.
+window and kept on disk (a temporary folder), so each candidate costs one forward pass per window.
+The JSON report goes to stdout and, with --out, to FILE.
 """
 
 from __future__ import annotations
@@ -37,9 +38,6 @@ import time
 from pathlib import Path
 
 import torch
-
-TEXT = Path("/usr/share/common-licenses/GPL-3")
-
 
 def text_windows(tokenizer, text_path: Path, n_tokens: int, window: int) -> list[list[int]]:
     """The first n_tokens tokens of the text, in windows of `window` tokens, each led by BOS."""
@@ -144,21 +142,21 @@ def score(reference, candidate, windows: list[list[int]], chunk: int = 128) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, type=Path, help="bf16 Hugging Face checkpoint (the reference)")
-    parser.add_argument("--text", type=Path, default=TEXT)
+    parser.add_argument("--text", type=Path, required=True, help="evaluation text (plain UTF-8 file)")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--variants", nargs="*", default=["g32", "g64", "g128"])
     parser.add_argument("--calibration", type=Path, help="text for the activation importance of `calib` variants")
     parser.add_argument("--embeddings", default="int8")
     parser.add_argument("--gguf", nargs="*", default=[], metavar="NAME=FILE", help="extra candidates through llama-cpp-python")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, help="also write the JSON report here")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gemmactl.formats.int4.quantize import quantize_checkpoint
     from gemmactl.formats.int4.reader import open_artifact
-    from gemmactl.runtime.int4_backend import build_model
+    from gemmactl.runtime.int4_model import build_model
 
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     windows = text_windows(tokenizer, args.text, args.tokens, args.window)

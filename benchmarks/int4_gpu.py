@@ -5,8 +5,9 @@
     python benchmarks/int4_gpu.py reload --checkpoint CKPT --artifact ART [--device cuda] [--repeats 3]
     python benchmarks/int4_gpu.py table RESULTS.json ...
 
-`build` saves a random bf16 Gemma 4 (the published E2B text shapes from random_models.py, or a
-tiny one to test this script on a CPU), no tokenizer. `quantize` runs `gemmactl quantize
+`build` saves a random bf16 Gemma 4 with tests/helpers/random_gemma.py (`e2b`: the published E2B
+text shapes; `tiny`: its `shared-kv` kind, the same arrangement at toy size, to test this script
+on a CPU), no tokenizer. `quantize` runs `gemmactl quantize
 --int4-stream` in a child process: wall time, the command's own seconds, peak RSS (wait4) and the
 peak RSS of a child that only imports the same modules. `reload` times, in fresh child
 processes interleaved across variants (page cache warmed by one untimed run of each), from the
@@ -19,7 +20,8 @@ call to every weight on the device (synchronized):
 
 Every child imports torch, transformers and the Gemma 4 modeling module and initializes the
 device before the clock starts, so all variants start from the same state. `table` prints the
-markdown tables for docs/benchmarks.md.
+markdown tables for docs/benchmarks.md. Every path is an argument; each command prints its JSON
+report on stdout. benchmarks/gpu_int4.sh runs build → quantize → reload → table in one go.
 """
 
 from __future__ import annotations
@@ -34,31 +36,18 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the repository root: tests.helpers
 
-TINY = dict(  # the E2B arrangement at toy size: (4 sliding + 1 full) × 2, PLE, last 5 layers KV-shared
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=10,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    global_head_dim=64,
-    sliding_window=16,
-    vocab_size=4096,
-    vocab_size_per_layer_input=4096,
-    hidden_size_per_layer_input=16,
-    num_kv_shared_layers=5,
-    layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
-    max_position_embeddings=4096,
-)
+# --shape → the kind of tests/helpers/random_gemma.py it builds.
+SHAPES = {"e2b": "e2b", "tiny": "shared-kv"}
 
 PREAMBLE = """
 import time, torch, transformers, accelerate
 import transformers.models.gemma4.modeling_gemma4
 from transformers import AutoModelForCausalLM
 from gemmactl.formats.int4.reader import open_artifact
-from gemmactl.runtime.int4_backend import build_model
+from gemmactl.runtime.int4_model import build_model
 from gemmactl.runtime.int4_packed import build_packed_model
 DEVICE = {device!r}
 def sync():
@@ -117,7 +106,7 @@ with torch.inference_mode():
     decode_tok_s = {DECODE_TOKENS} / (time.perf_counter() - began)
 """
 
-QUANTIZE_BASELINE = "import torch, safetensors.torch, gemmactl.cli.quantize, gemmactl.quantize, gemmactl.formats.int4.quantize"
+QUANTIZE_BASELINE = "import torch, safetensors.torch, gemmactl.cli.quantize, gemmactl.store.quantize, gemmactl.formats.int4.quantize"
 
 
 def run_child(args: list[str]) -> tuple[float, int, str]:
@@ -132,20 +121,13 @@ def run_child(args: list[str]) -> tuple[float, int, str]:
 
 
 def build(out: Path, shape: str, device: str) -> dict:
-    import torch
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    sys.path.insert(0, str(HERE))
-    from random_models import E2B
+    from gemmactl.formats.int4.checkpoint import open_checkpoint
+    from tests.helpers.random_gemma import build_random_gemma
 
     start = time.perf_counter()
-    torch.manual_seed(0)
-    config = Gemma4TextConfig(**(E2B if shape == "e2b" else TINY))
-    with torch.device(device):
-        model = Gemma4ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out)
-    params = sum(p.numel() for p in model.parameters())
-    return {"shape": shape, "params": params, "seconds": time.perf_counter() - start}
+    build_random_gemma(SHAPES[shape], out, seed=0, dtype="bfloat16", device=device)
+    params = sum(t.numel for t in open_checkpoint(out).tensors)
+    return {"shape": shape, "kind": SHAPES[shape], "params": params, "seconds": time.perf_counter() - start}
 
 
 def quantize(checkpoint: Path, artifact: Path, group_size: int) -> dict:
@@ -268,7 +250,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build")
     b.add_argument("out", type=Path)
-    b.add_argument("--shape", choices=["e2b", "tiny"], default="e2b")
+    b.add_argument("--shape", choices=list(SHAPES), default="e2b")
     b.add_argument("--device", default="cuda")
     q = sub.add_parser("quantize")
     q.add_argument("--checkpoint", type=Path, required=True)

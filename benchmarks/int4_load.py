@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-BASELINE = "import torch, safetensors.torch, gemmactl.cli.quantize, gemmactl.quantize, gemmactl.formats.int4.quantize"
+BASELINE = "import torch, safetensors.torch, gemmactl.cli.quantize, gemmactl.store.quantize, gemmactl.formats.int4.quantize"
 
 LOADERS = {
     "int4 packed": """
@@ -65,14 +65,14 @@ model = build_packed_model(open_artifact(PATH), torch.bfloat16)
     "int4 -> HF f32": """
 import time
 from gemmactl.formats.int4.reader import open_artifact
-from gemmactl.runtime.int4_backend import build_model
+from gemmactl.runtime.int4_model import build_model
 start = time.perf_counter()
 model = build_model(open_artifact(PATH), torch.float32)
 """,
     "int4 -> HF bf16": """
 import time
 from gemmactl.formats.int4.reader import open_artifact
-from gemmactl.runtime.int4_backend import build_model
+from gemmactl.runtime.int4_model import build_model
 start = time.perf_counter()
 model = build_model(open_artifact(PATH), torch.bfloat16)
 """,

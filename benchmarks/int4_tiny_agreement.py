@@ -1,12 +1,15 @@
 """Tiny random Gemma 4 models: how close the int4-stream model stays to the original, and why it drifts.
 
-For dense+PLE and MoE tiny models (tests/tiny_gemma4.py), quantized with int4-stream at group
+For dense+PLE and MoE tiny models (tests/helpers/random_gemma.py), quantized with int4-stream at group
 32/64/128, it reports the greedy-token agreement over 32 generated tokens, the top-1 agreement
 and the smallest cosine similarity of the logits at every prompt position, and, for scale, the
 same figures for the original model with 1% Gaussian noise added to every 2-D weight: random
 tiny models are chaotic, so small weight changes move their logits a lot.
 
     python benchmarks/int4_tiny_agreement.py [--out FILE]
+
+Needs torch, transformers and gemmactl only: the models are built in a temporary folder. The report
+is printed as JSON and, with --out, written to FILE.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.helpers
 
 
 def compare(reference, candidate, ids) -> dict:
@@ -39,24 +42,24 @@ def compare(reference, candidate, ids) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, help="also write the JSON report here")
     args = parser.parse_args()
 
     import copy
 
-    from tiny_gemma4 import build_tiny_gemma4
     from transformers import AutoModelForCausalLM
 
     from gemmactl.formats.int4.layout import QuantizeOptions
     from gemmactl.formats.int4.quantize import quantize_checkpoint
     from gemmactl.formats.int4.reader import open_artifact
-    from gemmactl.runtime.int4_backend import build_model
+    from gemmactl.runtime.int4_model import build_model
+    from tests.helpers.random_gemma import build_random_gemma
 
     ids = torch.randint(0, 262_144, (1, 24), generator=torch.Generator().manual_seed(0))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("dense-ple", "moe"):
-            source = build_tiny_gemma4(kind, Path(tmp) / kind)
+            source = build_random_gemma(kind, Path(tmp) / kind)
             reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
             noisy = copy.deepcopy(reference)
             torch.manual_seed(1)

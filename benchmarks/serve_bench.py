@@ -7,7 +7,13 @@ Starts one gemmactl server (in this process, real HTTP on 127.0.0.1) whose recip
   ngram        --spec-target with n-gram speculation (no draft model).
 Every measurement is interleaved A B A B and reported as medians and median ratios.
 
-    python benchmarks/serve_bench.py [--model GGUF] [--spec-target GGUF --spec-draft GGUF] [--repeat 5] [--json OUT]
+    python benchmarks/serve_bench.py [--model GGUF] [--spec-target GGUF --spec-draft GGUF] [--repeat 5]
+        [--rounds 2] [--max-tokens 64] [--levels 1,16,64] [--only prefix,escalation,overhead,concurrency,speculative]
+        [--home STORE] [--json OUT]
+
+Needs a store with a llama.cpp build (`gemmactl build`): --home, else $GEMMACTL_HOME, else
+gemmactl's default store; --model defaults to that store's embedded Gemma 3 270M. Prints a
+markdown table; --json writes every figure.
 """
 
 from __future__ import annotations
@@ -183,11 +189,12 @@ def overhead(url: str, service, repeat: int, max_tokens: int) -> dict:
     for r in range(repeat + 1):
         for prompt in PROSE:
             via_front = complete(url, "fast", prompt, max_tokens)
-            # The same prompt straight to the tier's llama-server, with the settings the front sends.
+            # The same prompt straight to the tier's llama-server, with the settings the front sends
+            # (greedy: llama-server's filters as no-ops, LlamaServer.sampling_fields).
             tokens = backend.server.post_json("/tokenize", {"content": prompt, "add_special": True})["tokens"]
-            raw = stream(direct_url, "/completion", {"prompt": tokens, "n_predict": max_tokens, "temperature": 0,
-                                                     "top_k": 64, "top_p": 0.95, "min_p": 0.0,
-                                                     "repeat_penalty": 1.0, "cache_prompt": True})
+            raw = stream(direct_url, "/completion", {"prompt": tokens, "n_predict": max_tokens,
+                                                     **backend.server.sampling_fields(0, 0, 1.0, 0.0, 1.0),
+                                                     "cache_prompt": True})
             if r == 0:
                 continue  # the first pass fills the prompt cache for both sides
             # Greedy text can still differ in a near tie: a cold prefill batch rounds unlike a warm one.
@@ -219,7 +226,7 @@ def main() -> None:
 
     store = Store(Path(args.home)) if args.home else Store()
     if not args.model:
-        from gemmactl.embedded import ensure_embedded_model
+        from gemmactl.store.embedded import ensure_embedded_model
 
         args.model = ensure_embedded_model(store).path
     recipe = parse_recipe(recipe_yaml(args), source="serve-bench")

@@ -5,8 +5,12 @@ set, sends N chat requests at once from N client threads over real HTTP, and rep
 latency percentiles and the server's own counters. A second, smaller --queue shows the bound:
 past it, 503 with Retry-After.
 
-    python benchmarks/serve_burst.py --requests 500 --queue 512 --max-tokens 4
+    python benchmarks/serve_burst.py --requests 500 --queue 512 --max-tokens 4 [--home STORE] [--json OUT]
     python benchmarks/serve_burst.py --requests 500 --queue 64 --max-tokens 4   # the bound
+
+The server uses the store --home (default: $GEMMACTL_HOME, else gemmactl's default store), which
+needs a llama.cpp build (`gemmactl build`) for the default recipe's llama-server tiers. The summary
+goes to stdout as JSON and, with --json, to OUT.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -65,13 +70,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--queue", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--home", help="store for `gemmactl serve` (default: $GEMMACTL_HOME)")
+    parser.add_argument("--json", help="write the summary here too")
     args = parser.parse_args()
+    env = {**os.environ, "GEMMACTL_NO_PROGRESS": "1"}
+    if args.home:
+        env["GEMMACTL_HOME"] = str(Path(args.home).absolute())
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "gemmactl", "serve", "--port", str(port), "--queue", str(args.queue)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "GEMMACTL_NO_PROGRESS": "1"})
+                            env=env)
     try:
         wait_ready(url, proc)
         start = time.perf_counter()
@@ -101,6 +111,8 @@ def main() -> None:
         "load_average": os.getloadavg(),
     }
     print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,11 @@ over the fastest way this machine serves one.
     python benchmarks/serve_scaling.py --model GGUF [--levels 1,16,64] [--max-tokens 64] [--rounds 2]
         [--configs np16-fa-off,np16-fa-on-bs] [--threads N] [--no-front] [--stream] [--compare-filters]
         [--home DIR] [--json OUT]
+
+llama-server is the active build of the store --home (default: $GEMMACTL_HOME, else gemmactl's
+default store); --model is a GGUF path or a store name (default: the embedded Gemma 3 270M).
+Recipes and logs go to a new temporary folder (`work_dir` in the result). Prints a table per
+config; --json writes every figure.
 """
 
 from __future__ import annotations
@@ -434,7 +439,7 @@ def main() -> None:
                      else "--configs and --levels need at least one entry, levels >= 1")
 
     from gemmactl.llamacpp.build import active_build
-    from gemmactl.models import resolve_model_ref
+    from gemmactl.store.refs import resolve_model
     from gemmactl.store import Store
 
     store = Store(Path(args.home)) if args.home else Store()
@@ -442,7 +447,7 @@ def main() -> None:
     if build is None or "llama-server" not in build.binaries:
         sys.exit(f"no llama.cpp build with llama-server in {store.home}: run `gemmactl build` (or pass --home)")
     binary = build.binary("llama-server")
-    model = resolve_model_ref(args.model or "embedded", store)
+    model = resolve_model(args.model or "embedded", store).path
     work = Path(tempfile.mkdtemp(prefix="serve-scaling-"))
     THREADS["n"] = args.threads
     result = {"model": str(model), "build": build.build_id, "gpu": gpu_name(), "cpu_count": os.cpu_count(),
