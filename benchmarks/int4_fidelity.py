@@ -64,7 +64,7 @@ def llama_logits(gguf_path: str, window: int, threads: int | None = None):
     from gemmactl.runtime.llamacpp import default_threads, override_model_params, use_extra_buffers
 
     # The same guard as the llama.cpp backend: no extra CPU weight buffers where AMX would crash.
-    with override_model_params(llama_cpp, use_extra_bufts=use_extra_buffers(llama_cpp)):
+    with override_model_params(llama_cpp, use_extra_bufts=use_extra_buffers()):
         llm = llama_cpp.Llama(
             model_path=gguf_path, n_ctx=window, logits_all=True, n_threads=threads or default_threads(), verbose=False
         )

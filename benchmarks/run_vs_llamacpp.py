@@ -101,7 +101,7 @@ def main() -> None:
 
     model = args.model or ensure_embedded_model(Store()).path
     threads = default_threads()
-    extra = use_extra_buffers(llama_cpp)
+    extra = use_extra_buffers()
     ours = LlamaCppBackend(model, context_size=args.context, n_threads=threads)
 
     def load_raw(**kwargs):

@@ -69,11 +69,13 @@ def plan_run(
     temperature: float | None = None,
     seed: int | None = None,
     raw: bool = False,
+    system: str | None = None,
 ) -> RunSpec:
     """Route a one-shot prompt and decide tier, model and sampling; loads nothing."""
     chosen = route_prompt(prompt, recipe, tier=tier)
     spec_tier = recipe.tier(chosen.tier)
-    request = make_request(chosen, spec_tier, max_tokens=max_tokens, temperature=temperature, seed=seed, raw=raw)
+    request = make_request(chosen, spec_tier, max_tokens=max_tokens, temperature=temperature, seed=seed, raw=raw,
+                           system=system or None)
     check_backend(recipe, spec_tier)
     return RunSpec(route=chosen, tier=spec_tier, model_ref=model or spec_tier.model,
                    model_from_recipe=model is None, request=request)

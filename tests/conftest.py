@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -119,3 +120,35 @@ def built_home(llama_build_store, isolated_home) -> Path:
     for sub in ("builds", "sources"):
         (isolated_home / sub).symlink_to(llama_build_store / sub, target_is_directory=True)
     return isolated_home
+
+
+@pytest.fixture(scope="session")
+def gemma4_vocab(llama_build_store):
+    path = next((llama_build_store / "sources").glob("llama.cpp-*/models/ggml-vocab-gemma-4.gguf"), None)
+    assert path is not None, "the bundled llama.cpp source has no Gemma 4 vocabulary"
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma4_tokenizer_files(gemma4_vocab, tmp_path_factory):
+    """The Gemma 4 tokenizer, written once (reading the 262k-token vocabulary is slow)."""
+    from gemmactl.formats.gguf_vocab import write_hf_tokenizer
+
+    return write_hf_tokenizer(gemma4_vocab, tmp_path_factory.mktemp("gemma4-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_gemma4, gemma4_tokenizer_files, tmp_path_factory):
+    """A tiny random Gemma 4 checkpoint with a real Gemma 4 tokenizer, ready to convert."""
+    made = {}
+
+    def make(kind: str):
+        if kind not in made:
+            target = tmp_path_factory.mktemp(f"ckpt-{kind}") / f"tiny-gemma4-{kind}"
+            shutil.copytree(tiny_gemma4(kind), target)
+            for path in gemma4_tokenizer_files:
+                shutil.copy(path, target / path.name)
+            made[kind] = target
+        return made[kind]
+
+    return make

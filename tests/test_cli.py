@@ -149,7 +149,7 @@ def test_cli_reference_documents_every_command_and_option_and_nothing_else():
 
 
 def test_stream_printer_hides_or_marks_thinking(capsys):
-    from gemmactl.cli.run import _StreamPrinter
+    from gemmactl.cli.output import StreamPrinter as _StreamPrinter
 
     events = [("thinking", "let me see"), ("answer", "  The answer"), ("answer", " is 4.")]
     hidden = _StreamPrinter(show_thinking=False)
@@ -174,3 +174,21 @@ def test_every_package_directory_is_listed_in_setup_cfg():
     for init in (root / "gemmactl").rglob("__init__.py"):
         package = ".".join(init.parent.relative_to(root).parts)
         assert f"    {package}\n" in listed, f"{package} is not in setup.cfg's packages"
+
+
+def test_shell_completion_offers_tiers_recipes_and_store_names(isolated_home):
+    from gemmactl.store import Artifact, Store
+
+    Store(isolated_home).add(Artifact(name="my-model", path=str(isolated_home / "x.gguf"), format="gguf",
+                                      source="test", revision=None, size=1))
+
+    def complete(words: str) -> list[str]:
+        env = {"_GEMMACTL_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": str(len(words.split(" ")) - 1)}
+        proc = run_gemmactl([], env=env)
+        return [line.split(",", 1)[1] for line in proc.stdout.splitlines() if line.startswith("plain,")]
+
+    assert complete("gemmactl run --tier ") == ["deep", "fast"]
+    assert "gemma4-4gb" in complete("gemmactl serve --recipe ")
+    assert complete("gemmactl show my") == ["my-model"]
+    assert complete("gemmactl rm ") == ["my-model"]
+    assert {"show", "serve", "stop"} <= set(complete("gemmactl s"))

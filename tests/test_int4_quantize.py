@@ -237,3 +237,30 @@ def test_group_size_not_dividing_the_row_is_handled(runner, tmp_path):
     assert artifact.packed(record).parts["scales"].shape == (16, 4)
     decoded = artifact.load_tensor("model.layers.0.mlp.up_proj.weight")
     assert decoded.shape == (16, 100) and float((decoded - weight).abs().max()) < 0.05
+
+
+def test_progress_counts_encoding_work_and_a_resumed_run_starts_at_what_is_done(checkpoint, tmp_path):
+    from gemmactl.formats.int4.layout import QuantizeOptions, plan_layout
+    from gemmactl.formats.int4.checkpoint import open_checkpoint
+    from gemmactl.formats.int4.quantize import _work, quantize_checkpoint
+
+    options = QuantizeOptions(group_size=32, shard_size=1 << 20)
+    layout = plan_layout(open_checkpoint(checkpoint), options)
+    seen = []
+    quantize_checkpoint(checkpoint, tmp_path / "art", options, progress=lambda done, total: seen.append((done, total)))
+    total = seen[0][1]
+    assert seen[0][0] == 0 and seen[-1] == (total, total)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    # Each step is the work of the record just encoded: an int4 search weighs more than an int8 row.
+    assert total == sum(_work(r, options.search) for r in layout.records)
+    int4 = next(r for r in layout.records if r.scheme == "int4")
+    int8 = next(r for r in layout.records if r.scheme == "int8")
+    assert _work(int4, True) / int4.numel > 10 * _work(int8, True) / int8.numel
+    # As if killed after its last shard (no index yet): a rerun's first report is the work already done.
+    from gemmactl.formats.int4.spec import PARTIAL_MARKER
+
+    (tmp_path / "art" / "index.json").unlink()
+    (tmp_path / "art" / PARTIAL_MARKER).write_text(json.dumps({"plan": layout.fingerprint.hex()}))
+    again = []
+    quantize_checkpoint(checkpoint, tmp_path / "art", options, progress=lambda done, total: again.append(done))
+    assert again[0] == total

@@ -23,6 +23,7 @@ LAYERS = {
     "plan": 4, "recipes": 4,
     "router": 5,
     "generate": 6,
+    "chat": 7,
     "server": 7, "bench": 7,
     "cli": 8, "__main__": 9,
 }

@@ -377,6 +377,20 @@ def test_gguf_repo_takes_only_the_asked_quant(runner, hub, isolated_home):
     assert "no Q5_K_M GGUF file" in line and "Q4_K_M" in line and "Q8_0" in line
 
 
+@pytest.mark.parametrize("reference", [f"{GGUF_REPO}:q6_k", f"hf.co/{GGUF_REPO}:Q6_K", f"huggingface.co/{GGUF_REPO}:Q6_K"])
+def test_one_string_pulls_name_the_quant(runner, hub, isolated_home, reference):
+    out = pull_json(runner, reference)
+    assert out["repo"] == GGUF_REPO and out["quant"] == "Q6_K" and [f["name"] for f in out["files"]] == GGUF_FILES[3:5]
+    assert Store(isolated_home).get(f"{GGUF_REPO}:Q6_K") is not None
+
+
+def test_one_string_quant_must_agree_with_the_flag(runner, hub):
+    line = assert_one_line_error(pull(runner, f"{GGUF_REPO}:Q6_K", "--quant", "Q8_0"), 2)
+    assert "Q6_K" in line and "Q8_0" in line
+    assert "names no quantization" in assert_one_line_error(pull(runner, f"{GGUF_REPO}:"), 2)
+    assert hub.requests == []
+
+
 def _listing(*names: str) -> list[RepoFile]:
     return [RepoFile(name, 10, blob_id="0" * 40) for name in names]
 

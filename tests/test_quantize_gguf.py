@@ -3,45 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from conftest import run_gemmactl
 
 PROMPT_IDS = [2, 818, 5279, 529, 7001, 563, 496, 1401]  # BOS + a few ordinary tokens
-
-
-@pytest.fixture(scope="session")
-def gemma4_vocab(llama_build_store):
-    path = next((llama_build_store / "sources").glob("llama.cpp-*/models/ggml-vocab-gemma-4.gguf"), None)
-    assert path is not None, "the bundled llama.cpp source has no Gemma 4 vocabulary"
-    return path
-
-
-@pytest.fixture(scope="session")
-def gemma4_tokenizer_files(gemma4_vocab, tmp_path_factory):
-    """The Gemma 4 tokenizer, written once (reading the 262k-token vocabulary is slow)."""
-    from gemmactl.formats.gguf_vocab import write_hf_tokenizer
-
-    return write_hf_tokenizer(gemma4_vocab, tmp_path_factory.mktemp("gemma4-tokenizer"))
-
-
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tiny_gemma4, gemma4_tokenizer_files, tmp_path_factory):
-    """A tiny random Gemma 4 checkpoint with a real Gemma 4 tokenizer, ready to convert."""
-    made = {}
-
-    def make(kind: str):
-        if kind not in made:
-            target = tmp_path_factory.mktemp(f"ckpt-{kind}") / f"tiny-gemma4-{kind}"
-            shutil.copytree(tiny_gemma4(kind), target)
-            for path in gemma4_tokenizer_files:
-                shutil.copy(path, target / path.name)
-            made[kind] = target
-        return made[kind]
-
-    return make
 
 
 def transformers_greedy(checkpoint, prompt_ids, steps):
@@ -174,3 +141,17 @@ def test_calibration_text_makes_an_importance_matrix(built_home, tiny_checkpoint
     assert entry["extra"]["imatrix"] == f"calibration:{text}"
     log = next((built_home / "logs").glob("quantize-*Q4_K_M.log"))
     assert "llama-imatrix" in log.read_text() and "--imatrix" in log.read_text()
+
+
+def test_converter_and_quantizer_output_becomes_progress():
+    from gemmactl.formats.gguf import _QUANTIZED, _converter_progress
+
+    seen = []
+    line = _converter_progress(lambda step, done, total: seen.append((step, done, total)), 3)
+    for text in ["INFO:hf-to-gguf:Loading model: x", "INFO:hf-to-gguf:blk.0.attn_k.weight,  torch.bfloat16 --> BF16, shape = {64, 32}",
+                 "INFO:hf-to-gguf:blk.0.attn_q.weight,  torch.bfloat16 --> BF16, shape = {64, 64}",
+                 "Writing:  45%|████▌     | 241M/536M [00:02<00:03, 98.7Mbyte/s]", "Writing: 100%|██████████| 536M/536M"]:
+        line(text)
+    assert seen == [("convert", 0, 3), ("convert", 1, 3), ("convert", 2, 3), ("write", 45, 100), ("write", 100, 100)]
+    match = _QUANTIZED.match("[  12/ 340]                 blk.1.attn_k.weight - [  640,   256,     1,     1], type =   bf16")
+    assert match and (int(match.group(1)), int(match.group(2))) == (12, 340)

@@ -160,7 +160,7 @@ def test_completions_models_health_and_metrics(server):
     pieces = list(api.completions.create(model="fast", prompt="The history of the city of Paris begins",
                                          max_tokens=5, temperature=0, stream=True))
     assert "".join(p.choices[0].text for p in pieces if p.choices).strip()
-    assert [m.id for m in api.models.list().data] == ["fast", "deep"]
+    assert [m.id for m in api.models.list().data] == ["auto", "fast", "deep"]  # auto: the README's name
     status, text = get(f"{server.url}/metrics")
     assert status == 200
     series = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("gemmactl_"))
@@ -466,3 +466,121 @@ def test_non_streamed_answer_equals_the_streamed_one_with_stops_and_lengths(serv
         assert whole.choices[0].finish_reason == finish[-1] == ("length" if stop is None else "stop"), stop
         if stop:
             assert free.startswith(streamed) and middle not in streamed, stop
+
+
+# Plain requests as a new user types them; several start their answer with a blank line.
+PLAIN_PROMPTS = [
+    "Write a poem about the sea.", "Write a haiku about autumn.", "Give me three tips for sleeping better.",
+    "Write a Python function that adds two numbers.", "What is the capital of France?", "Tell me a joke.",
+    "What is photosynthesis?", "Name three primary colors.", "How do I boil an egg?", "Who wrote Hamlet?",
+    "What is the largest planet in the solar system?", "Describe a sunset in two sentences.",
+    "Translate 'good morning' into Spanish.", "What is 12 times 12?", "Suggest a name for a cat.",
+    "Why do leaves change color in the fall?", "List four fruits.", "What does a bee make?",
+    "Write a short story opening about a lighthouse.", "What is the boiling point of water?",
+    "Give me a synonym for happy.", "What is the speed of light?",
+]
+
+
+def test_the_default_recipe_answers_every_plain_prompt_alike_in_run_and_serve(serve_home):
+    """No vanishing answers: the default recipe's greedy text is the same through `run`'s path
+    and through `serve` (whole and streamed), and never empty."""
+    from gemmactl.recipes import resolve_recipe
+
+    recipe, limit = resolve_recipe("default"), 40
+    # `run`'s path in a process of its own, as the command runs: llama.cpp is then the active
+    # build's library, the one llama-server runs (this test process may hold another).
+    script = (
+        "import json, sys\n"
+        "from gemmactl.generate import open_backend, plan_run, resolve_run_model\n"
+        "from gemmactl.recipes import resolve_recipe\n"
+        "from gemmactl.runtime.base import Piece, stream_generate\n"
+        "from gemmactl.store import Store\n"
+        "recipe, store, prompts = resolve_recipe('default'), Store(), json.loads(sys.argv[1])\n"
+        f"spec = plan_run(prompts[0], recipe, max_tokens={limit})\n"
+        "backend = open_backend(resolve_run_model(spec, store), context=spec.tier.context, store=store)\n"
+        f"print(json.dumps({{p: ''.join(e.text for e in stream_generate(backend, plan_run(p, recipe, max_tokens={limit}).request)"
+        " if isinstance(e, Piece) and e.channel == 'answer').strip() for p in prompts}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(PLAIN_PROMPTS)], capture_output=True, text=True,
+                          env=dict(os.environ, GEMMACTL_HOME=str(serve_home)), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    ran = json.loads(proc.stdout)
+    service = start(serve_home, (Path(recipe.path).read_text()))
+    try:
+        api = client(service)
+        for index, prompt in enumerate(PLAIN_PROMPTS):
+            messages = [{"role": "user", "content": prompt}]
+            if index % 4:
+                served = api.chat.completions.create(model="auto", messages=messages, max_tokens=limit)
+                text = served.choices[0].message.content
+            else:
+                chunks = api.chat.completions.create(model="auto", messages=messages, max_tokens=limit, stream=True)
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text.strip(), f"empty answer to {prompt!r}"
+            assert text.strip() == ran[prompt], prompt
+    finally:
+        service.close()
+
+
+def test_detach_logs_and_stop(serve_home, embedded_gguf, tmp_path, monkeypatch):
+    from conftest import run_gemmactl
+    from gemmactl.server.registry import pid_alive
+
+    env = {"GEMMACTL_HOME": str(serve_home)}
+    recipe = tmp_path / "detached.yaml"
+    recipe.write_text(recipe_text(embedded_gguf))
+    started = run_gemmactl(["serve", "--recipe", str(recipe), "--port", "0", "--detach", "--json"], env=env)
+    assert started.returncode == 0, started.stderr
+    state = json.loads(started.stdout)
+    pid, child = state["pid"], state["tiers"]["fast"]["pid"]
+    try:
+        assert pid_alive(pid) and pid_alive(child) and Path(state["log"]).is_file()
+        assert get(f"{state['url']}/health")[0] == 200  # the command returned only once it was ready
+        listed = json.loads(run_gemmactl(["ps", "--json"], env=env).stdout)
+        assert pid in [s["pid"] for s in listed]  # (beside this module's own server)
+        shown = run_gemmactl(["logs", str(pid), "--lines", "5"], env=env)
+        assert shown.returncode == 0 and "llama-server pid" in (shown.stdout + Path(state["log"]).read_text())
+        assert run_gemmactl(["stop", "424242"], env=env).returncode == 2
+        stopped = run_gemmactl(["stop", str(state["url"].rsplit(":", 1)[1])], env=env)  # by port
+        assert stopped.returncode == 0 and "stopped" in stopped.stdout and state["log"] in stopped.stdout
+        wait_for(lambda: not pid_alive(pid) and not pid_alive(child), what="the server and its llama-server to end")
+        assert pid not in [s["pid"] for s in json.loads(run_gemmactl(["ps", "--json"], env=env).stdout)]
+        assert "stopping (signal 15)" in Path(state["log"]).read_text()
+    finally:
+        for leftover in (pid, child):
+            if pid_alive(leftover):
+                os.kill(leftover, signal.SIGKILL)
+
+
+def test_a_detached_server_that_cannot_start_says_why(serve_home, tmp_path):
+    from conftest import run_gemmactl
+
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("tiers:\n  fast:\n    model: /no/such/model.gguf\n")
+    proc = run_gemmactl(["serve", "--recipe", str(recipe), "--port", "0", "--detach"], env={"GEMMACTL_HOME": str(serve_home)})
+    assert proc.returncode == 1
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "exited before it was ready" in line and "no such model file" in line and "log" in line
+
+
+def test_a_draft_that_llama_server_turns_down_is_shown_as_refused(serve_home, embedded_gguf, tiny_checkpoint, tmp_path):
+    """A Gemma 4 draft for the Gemma 3 target: llama-server refuses it (other vocabulary) and starts
+    without it; every place that shows the tier says so instead of "draft"."""
+    from conftest import run_gemmactl
+
+    made = run_gemmactl(["quantize", str(tiny_checkpoint("dense-ple")), "--gguf", "F16", "--out",
+                         str(tmp_path / "draft.gguf"), "--json"], env={"GEMMACTL_HOME": str(serve_home)})
+    assert made.returncode == 0, made.stderr
+    recipe = (f"tiers:\n  fast:\n    model: {embedded_gguf}\n    context: 2048\n    parallel: 1\n"
+              f"    speculative: {{type: draft, draft_model: {tmp_path / 'draft.gguf'}}}\n"
+              "    sampling: {temperature: 0.0, max_tokens: 8}\n")
+    service = start(serve_home, recipe)
+    try:
+        shown = service.lanes["fast"].snapshot()["speculative"]
+        assert shown.startswith("refused by llama-server") and "vocab" in shown
+        assert f'speculative="{shown}"' in get(f"{service.url}/metrics")[1]
+        assert service.state()["tiers"]["fast"]["speculative"] == shown  # what `gemmactl ps` reads
+        status, _, body = post(f"{service.url}/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4})
+        assert status == 200 and body["gemmactl"]["draft_tokens"] == 0  # it answers, without drafting
+    finally:
+        service.close()

@@ -53,6 +53,8 @@ def test_request_sampling_overrides_the_tier():
     ("chat", chat("hi", temperature=float("nan")), InvalidOptionError, "'temperature' must be a finite number"),
     ("completion", {"prompt": "x", "top_p": float("inf")}, InvalidOptionError, "'top_p' must be a finite number"),
     ("completion", {"prompt": "   "}, InvalidOptionError, "the prompt is empty"),
+    ("chat", chat("hi", tools=[{"type": "function", "function": {"name": "f"}}]), InvalidOptionError, "tool calling"),
+    ("chat", chat("hi", tool_choice="auto"), InvalidOptionError, "tool calling"),
     ("chat", chat("hi", n=2), InvalidOptionError, "n=1"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, InvalidOptionError, "text content"),
     ("completion", {"prompt": [1, 2]}, InvalidOptionError, "'prompt' must be a string"),

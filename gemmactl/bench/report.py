@@ -125,7 +125,10 @@ def _speculative(result: dict) -> Section:
         "The rate depends on the model and draft pair and on the prompts. Same text: the speculative greedy "
         "text equals gemmactl's plain one (batched verification can flip a near tie).",
     ]
-    if not rows:
+    refused = (result.get("targets", {}).get("llama-server") or {}).get("speculative")
+    if isinstance(refused, str):
+        notes.insert(0, f"The draft was {refused}; llama-server decoded without it, so nothing was drafted.")
+    elif not rows:
         notes.insert(0, "llama-server did not run (see Setup), so nothing was drafted.")
     return Section("Speculative decoding in llama-server (acceptance rate)",
                    ["target", "prompts", "runs", "drafted", "accepted", "acceptance", "same text as gemmactl"], rows, notes)

@@ -17,7 +17,18 @@ from gemmactl.store import Store
 
 RATIO_METRICS = ("wall_tok_s", "decode_tok_s", "ttft_s")
 SUMMARY_METRICS = ("ttft_s", "prefill_tok_s", "decode_tok_s", "wall_tok_s", "wall_s")
-Progress = Callable[[str], None]
+Progress = Callable[[str, int, int], None]  # (what runs now, steps done, steps in all)
+
+
+class _Steps:
+    """Counts a bench run's steps (loads, warm-ups, measured requests) for one progress bar."""
+
+    def __init__(self, report: Progress, total: int):
+        self.report, self.total, self.done = report, total, 0
+
+    def __call__(self, message: str) -> None:
+        self.done += 1
+        self.report(message, self.done, self.total)
 
 
 @dataclass
@@ -86,10 +97,12 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
     from gemmactl.generate import plan_run, resolve_run_model
     from gemmactl.recipes import resolve_recipe
 
-    progress = progress or (lambda message: None)
     load_at_start = load_average()
     prompts = check_config(config)
     compare = parse_compare(config.compare)
+    per_target = 2 + config.repeat * len(prompts) + (config.repeat if config.warm_prefix else 0)  # load, warm-up, runs
+    levels = len(config.concurrency) * config.repeat if config.concurrency != [1] else 0
+    progress = _Steps(progress or (lambda message, done, total: None), per_target * (1 + len(compare)) + levels)
     spec = plan_run("bench", resolve_recipe(config.recipe), tier=config.tier, model=config.model,
                     max_tokens=config.max_tokens, temperature=0.0, raw=True)
     # Greedy and unpenalised on every side, so that all targets can produce the same text.
@@ -125,7 +138,9 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
                 targets.append(_open_target(name, settings))
             except TargetUnavailable as exc:
                 skipped.append({"target": name, "reason": str(exc)})
+                progress.total -= per_target - 1
         for target in targets:
+            progress(f"{target.name}: warm-up")
             target.generate(prompts[0].text, WARMUP_TOKENS)
         runs = _interleaved(targets, prompts, config, progress)
         warm = _warm_prefix(targets, config, progress) if config.warm_prefix else []
@@ -233,11 +248,9 @@ def _load_fitting(model, tier_context, request, prompts, config: BenchConfig, st
 
 def _extra_buffers() -> bool:
     """The extra-buffer choice gemmactl's llama.cpp backend made (the compared llama.cpps make the same)."""
-    import llama_cpp
-
     from gemmactl.runtime.llamacpp import use_extra_buffers
 
-    return use_extra_buffers(llama_cpp)
+    return use_extra_buffers()
 
 
 def _gguf_metadata(path: Path) -> dict:

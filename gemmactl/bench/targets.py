@@ -132,8 +132,10 @@ class GemmactlTarget:
                 stats = event
             else:
                 text.append(event.text)
+        # Rates with nothing to measure are 0.0 here, as bench's own arithmetic has them (stats.py).
         metrics = {key: getattr(stats, key) for key in (
             "ttft_s", "wall_s", "prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s", "wall_tok_s")}
+        metrics = {key: 0.0 if value is None else value for key, value in metrics.items()}
         return Sample(metrics, "".join(text), engine_decode_tok_s=stats.engine_decode_tok_s, cached_tokens=0)
 
     def memory(self) -> dict:
@@ -250,7 +252,10 @@ class LlamaServerTarget:
     def info(self) -> dict:
         info = {"command": self.server.command, "log": str(self.server.log_path), "parallel": self.server.parallel,
                 "pid": self.server.pid}
-        return {**info, "speculative": True} if self.speculative else info
+        if not self.speculative:
+            return info
+        refused = self.server.speculation_refused()
+        return {**info, "speculative": f"refused by llama-server: {refused}" if refused else True}
 
     def close(self) -> None:
         self.server.__exit__(None, None, None)

@@ -16,10 +16,12 @@ from gemmactl.cli.errors import describe_error, format_error_line
 # lists every command without importing any of them (or torch, or llama_cpp).
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("gemmactl.cli.run", "run", "Answer a prompt with a local model, routed to a tier."),
+    "chat": ("gemmactl.cli.chat", "chat", "Talk with a local model, turn by turn, keeping the conversation."),
     "build": ("gemmactl.cli.build", "build", "Build llama.cpp from source with the right kernels for this machine."),
     "doctor": ("gemmactl.cli.doctor", "doctor", "Check the machine, the llama.cpp build, and where layers really run."),
     "pull": ("gemmactl.cli.pull", "pull_cmd", "Download a model from the Hugging Face hub, verified and resumable."),
     "quantize": ("gemmactl.cli.quantize", "quantize", "Quantize a checkpoint into an artifact a gemmactl backend runs."),
+    "show": ("gemmactl.cli.show", "show", "Show a model's shape, size, quantization, template and origin."),
     "inspect": ("gemmactl.cli.inspect_cmd", "inspect_cmd", "Show the size and layers of an int4-stream artifact, and verify it."),
     "list": ("gemmactl.cli.store_cmds", "list_cmd", "List the models and artifacts in the store."),
     "rm": ("gemmactl.cli.store_cmds", "rm_cmd", "Remove a model or artifact from the store."),
@@ -27,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("gemmactl.cli.plan", "plan", "Place a model's layers under a VRAM budget and predict its speed."),
     "serve": ("gemmactl.cli.serve", "serve", "Serve every tier of a recipe behind one OpenAI-compatible endpoint."),
     "ps": ("gemmactl.cli.ps", "ps", "List running gemmactl servers and their tiers."),
+    "stop": ("gemmactl.cli.ps", "stop", "Stop a running gemmactl server (and its llama-server children)."),
+    "logs": ("gemmactl.cli.ps", "logs", "Print a running gemmactl server's log."),
 }
 
 

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
+from gemmactl.cli import complete
 from gemmactl.cli.output import emit_json, progress_enabled
 from gemmactl.cli.types import FiniteFloatRange
 
 
 @click.command("bench")
-@click.option("--recipe", "recipe", metavar="FILE|NAME", help="Recipe of tiers (default: built-in 'default', or $GEMMACTL_RECIPE).")
-@click.option("--model", "model", metavar="REF", help="A .gguf path or store name instead of the tier's model.")
-@click.option("--tier", "tier", metavar="NAME", help="The tier whose model and settings to measure (default: the recipe's default).")
+@click.option("--recipe", "recipe", metavar="FILE|NAME", shell_complete=complete.recipes, help="Recipe of tiers (default: built-in 'default', or $GEMMACTL_RECIPE).")
+@click.option("--model", "model", metavar="REF", shell_complete=complete.models, help="A .gguf path or store name instead of the tier's model.")
+@click.option("--tier", "tier", metavar="NAME", shell_complete=complete.tiers, help="The tier whose model and settings to measure (default: the recipe's default).")
 @click.option("--prompts", "prompts", default="builtin", show_default=True, metavar="builtin|SET,...|FILE",
               help="builtin (all sets), sets among short, long-prefix, code, prose, or a file (one prompt per line, or .jsonl).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True, metavar="N", help="Tokens to generate per request.")
@@ -25,7 +28,7 @@ from gemmactl.cli.types import FiniteFloatRange
               help="Also measure llama-cpp-python, llama-server, hf-generate or accelerate, interleaved (repeatable).")
 @click.option("--hf-model", "hf_model", metavar="DIR|NAME", help="Hugging Face checkpoint of the same model, for hf-generate and accelerate.")
 @click.option("--vram", "vram", metavar="SIZE", help="VRAM cap for accelerate's device_map=\"auto\", e.g. 4GiB (default: the whole GPU).")
-@click.option("--draft", "draft", metavar="GGUF",
+@click.option("--draft", "draft", metavar="GGUF", shell_complete=complete.models,
               help="Draft model (store name or .gguf path, same vocabulary) for speculative decoding in llama-server; "
                    "reports the acceptance rate. Needs --compare llama-server or --concurrency above 1.")
 @click.option("--draft-max", "draft_max", type=click.IntRange(min=1), metavar="N",
@@ -76,9 +79,8 @@ def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_pr
         _require_matplotlib()
     store = Store()
     log_dir = (out / "logs") if out else store.home / "bench" / "logs"
-    show = progress_enabled(json_mode)
-    result = run_bench(config, store, log_dir=log_dir,
-                       progress=(lambda message: click.echo(f"… {message}", err=True)) if show else None)
+    with bench_progress(progress_enabled(json_mode)) as progress:
+        result = run_bench(config, store, log_dir=log_dir, progress=progress)
     if out:
         write_result(result, out)
         if plot:
@@ -115,3 +117,24 @@ def _require_matplotlib() -> None:
         raise InvalidOptionError(
             "--plot needs matplotlib, which is not installed", hint="Install it: pip install 'gemmactl[bench]'"
         ) from None
+
+
+@contextmanager
+def bench_progress(enabled: bool):
+    """One bar over the whole run, naming the step it is on."""
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, leave=False, file=sys.stderr, bar_format="{n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}<{remaining}]")
+
+    def update(message: str, done: int, total: int) -> None:
+        bar.total = total
+        bar.set_description_str(message[:60], refresh=False)
+        bar.update(done - bar.n)
+
+    try:
+        yield update
+    finally:
+        bar.close()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import click
 
+from gemmactl.cli import complete
 from gemmactl.cli.output import emit_json
 from gemmactl.sizes import format_size
 
 
 @click.command("doctor")
 @click.option("--no-proof", is_flag=True, help="Skip the short inference that shows where the layers ran.")
-@click.option("--model", "model", metavar="GGUF", help="Prove with this GGUF instead of the embedded model.")
+@click.option("--model", "model", metavar="GGUF", shell_complete=complete.models, help="Prove with this GGUF instead of the embedded model.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the report as JSON.")
 def doctor(no_proof: bool, model: str | None, json_mode: bool) -> None:
     """Check the machine, the llama.cpp build, and where layers really run.

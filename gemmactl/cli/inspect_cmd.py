@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import click
 
+from gemmactl.cli import complete
 from gemmactl.cli.output import byte_progress, emit_json, progress_enabled, table
 from gemmactl.sizes import format_size
 
 
 @click.command("inspect")
-@click.argument("artifact")
+@click.argument("artifact", shell_complete=complete.models)
 @click.option("--verify", is_flag=True, help="Recompute every checksum; name the shard and tensor of any mismatch (exit 1).")
 @click.option("--json", "json_mode", is_flag=True, help="Print the summary as one JSON object.")
 def inspect_cmd(artifact, verify, json_mode):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import click
 
+from gemmactl.cli import complete
 from gemmactl.cli.output import emit_json, table, warn
 from gemmactl.sizes import format_size
 
 
 @click.command("plan")
-@click.argument("model")
+@click.argument("model", shell_complete=complete.models)
 @click.option("--vram", metavar="SIZE", help="GPU memory to plan for (default: the GPU's free memory, or the profile's).")
 @click.option("--ram", metavar="SIZE", help="RAM to plan for (default: this machine's, or the profile's).")
 @click.option("--context", type=int, default=8192, show_default=True, metavar="N", help="Context length in tokens, per sequence.")
@@ -57,7 +58,8 @@ def plan(model, vram, ram, context, parallel, backend, quant, hardware, remeasur
 
         store = Store()
         model = resolve_model(str(result.model_path), store, accept=(GGUF,))
-        verified = verify_plan(result.plan, partial(open_backend, model, store=store), store=store)
+        verified = verify_plan(result.plan, partial(open_backend, model, store=store), store=store,
+                               announce=lambda what: click.echo(f"verify: {what}…", err=True))
     data = plan_dict(result.plan, result, verified)
     if out:
         import json

@@ -1,9 +1,10 @@
-"""`gemmactl ps`: the gemmactl servers running on this machine and their tiers."""
+"""`gemmactl ps`, `stop` and `logs`: the gemmactl servers running on this machine."""
 
 from __future__ import annotations
 
 import click
 
+from gemmactl.cli import complete
 from gemmactl.cli.output import emit_json, table
 
 
@@ -41,3 +42,69 @@ def ps(json_mode: bool) -> None:
                          tier.get("speculative") or "-", tier.get("placement") or tier.get("reason") or "-"])
     click.echo(table(rows, ["URL", "PID", "TIER", "STATE", "BACKEND", "BACKEND PID", "SLOTS", "QUEUE",
                             "SPECULATIVE", "PLACEMENT"]))
+
+
+@click.command("stop")
+@click.argument("name", required=False, shell_complete=complete.servers)
+@click.option("--all", "all_servers", is_flag=True, help="Stop every gemmactl server of this store.")
+@click.option("--timeout", type=click.FloatRange(min=1), default=30, show_default=True, metavar="S",
+              help="Seconds to wait for a clean stop before killing the server.")
+def stop(name, all_servers, timeout):
+    """Stop a running gemmactl server (and its llama-server children).
+
+    NAME is the server's pid, port or URL, as `gemmactl ps` shows them; --all stops every one.
+    """
+    from gemmactl.server.registry import find_servers, running_servers, stop_server
+    from gemmactl.store import Store
+
+    if bool(name) == all_servers:
+        raise click.UsageError("name one server (its pid, port or URL), or pass --all")
+    store = Store()
+    servers = find_servers(store, None if all_servers else name)
+    if not servers:
+        click.echo("No gemmactl server is running.")
+        return
+    for state in servers:
+        clean = stop_server(state, timeout)
+        how = "stopped" if clean else f"killed after {timeout:.0f} s"
+        log = f"; its log: {state['log']}" if state.get("log") else ""
+        click.echo(f"Server {state['pid']} ({state['url']}) {how}{log}.")
+    running_servers(store)  # a killed server's llama-server children are stopped here
+
+
+@click.command("logs")
+@click.argument("name", shell_complete=complete.servers)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the server stops (or Ctrl-C).")
+@click.option("-n", "--lines", "lines", type=click.IntRange(min=0), metavar="N", help="Only the last N lines.")
+def logs(name, follow, lines):
+    """Print a running gemmactl server's log.
+
+    NAME is the server's pid, port or URL, as `gemmactl ps` shows them.
+    """
+    import time
+    from pathlib import Path
+
+    from gemmactl.errors import ServerError
+    from gemmactl.server.registry import find_servers, pid_alive
+    from gemmactl.store import Store
+
+    servers = find_servers(Store(), name)
+    if len(servers) > 1:
+        raise click.UsageError(f"'{name}' names {len(servers)} servers; name one by its pid")
+    state = servers[0]
+    if not state.get("log"):
+        raise ServerError(f"server {state['pid']} keeps no log file (it was started by an older gemmactl)",
+                          hint="Its log went to the terminal that started it.")
+    path = Path(state["log"])
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        text = handle.read()
+        shown = text.splitlines(keepends=True)
+        click.echo("".join(shown[-lines:] if lines is not None else shown), nl=False)
+        while follow and pid_alive(state["pid"]):
+            more = handle.read()
+            if more:
+                click.echo(more, nl=False)
+            else:
+                time.sleep(0.2)
+        if follow:
+            click.echo(handle.read(), nl=False)

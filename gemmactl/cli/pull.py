@@ -22,8 +22,10 @@ from gemmactl.sizes import format_size
 def pull_cmd(repo_id, revision, include, exclude, quant, token, dry_run, offline, verify, json_mode):
     """Download a model from the Hugging Face hub, verified and resumable.
 
-    Files go to the standard Hugging Face cache ($HF_HOME/hub). A safetensors repo gives its
-    weights, configs and tokenizer; a GGUF repo gives the --quant file and its shards. Every
+    REPO_ID is OWNER/NAME; OWNER/NAME:QUANT or hf.co/OWNER/NAME:QUANT (as Ollama writes it)
+    also names a GGUF repo's quantization. Files go to the standard Hugging Face cache
+    ($HF_HOME/hub). A safetensors repo gives its weights, configs and tokenizer; a GGUF repo gives
+    the --quant file and its shards. Every
     file's checksum is checked before the pull is registered in the store; a rerun after an
     interruption continues where it stopped.
 
@@ -31,6 +33,7 @@ def pull_cmd(repo_id, revision, include, exclude, quant, token, dry_run, offline
     Examples:
       gemmactl pull google/gemma-4-E2B-it --dry-run
       gemmactl pull unsloth/gemma-4-E2B-it-GGUF --quant Q8_0
+      gemmactl pull hf.co/unsloth/gemma-4-E2B-it-GGUF:Q8_0
       gemmactl pull google/gemma-4-E2B-it --offline
     """
     from gemmactl.hub.pull import plan_pull, pull, verify_pull

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from gemmactl.cli.output import byte_progress, emit_json, progress_enabled
+from gemmactl.cli import complete
+from gemmactl.cli.output import emit_json, progress_enabled, step_progress, work_progress
 from gemmactl.sizes import format_size
 
 # flag name → the format it writes; the command refuses zero or several.
@@ -14,7 +15,7 @@ MODES = {"int4_stream": "--int4-stream", "gguf": "--gguf TYPE"}
 
 
 @click.command("quantize")
-@click.argument("model")
+@click.argument("model", shell_complete=complete.models)
 @click.option("--int4-stream", "int4_stream", is_flag=True, help="Write an int4-stream artifact: group-wise int4 shards for the int4 backend.")
 @click.option("--gguf", "gguf_type", metavar="TYPE", help="Write a GGUF of this llama.cpp type (Q4_K_M, Q8_0, Q6_K, Q5_K_M, Q4_0, IQ4_XS, F16, BF16 …) with the active build.")
 @click.option("--out", type=click.Path(path_type=Path), metavar="PATH", help="Output folder (--int4-stream) or .gguf file (--gguf); default: in the store.")
@@ -52,7 +53,7 @@ def quantize(model, int4_stream, gguf_type, out, imatrix, calibration, group_siz
     from gemmactl.store import Store
     from gemmactl.store.quantize import quantize_int4_stream
 
-    with byte_progress("quantizing", progress_enabled(json_mode)) as progress:
+    with work_progress("quantizing", progress_enabled(json_mode)) as progress:
         artifact, result = quantize_int4_stream(
             model,
             store=Store(),
@@ -121,12 +122,9 @@ def _quantize_gguf(model, gguf_type, out, imatrix, calibration, force, json_mode
     job = plan_gguf(model, gguf_type, store, out, force)
     build = require_build(store, "quantize --gguf (its converter and llama-quantize)")
 
-    def progress(step: str, elapsed: float) -> None:
-        if not json_mode:
-            click.echo(f"[{step} {int(elapsed) // 60:02d}:{int(elapsed) % 60:02d}]", err=True)
-
     start = time.monotonic()
-    artifact = quantize_gguf(job, build, store, imatrix=imatrix, calibration=calibration, progress=progress)
+    with step_progress(progress_enabled(json_mode), quiet=json_mode) as progress:
+        artifact = quantize_gguf(job, build, store, imatrix=imatrix, calibration=calibration, progress=progress)
     if json_mode:
         emit_json(artifact.to_dict())
         return

@@ -6,24 +6,26 @@ import sys
 
 import click
 
-from gemmactl.cli.output import byte_progress, emit_json, progress_enabled, warn
+from gemmactl.cli import complete
+from gemmactl.cli.output import StreamPrinter, byte_progress, emit_json, progress_enabled, warn
 from gemmactl.cli.types import NON_NEGATIVE
 from gemmactl.sizes import format_size
 
 
 @click.command("run")
 @click.argument("prompt", nargs=-1)
-@click.option("--tier", "tier", metavar="NAME", help="Use this tier, whatever the prefix or heuristic says.")
-@click.option("--model", "model", metavar="REF", help="A .gguf file, an int4-stream folder, or a store name, instead of the tier's model.")
-@click.option("--recipe", "recipe", metavar="FILE|NAME", help="Recipe of tiers (default: built-in 'default', or $GEMMACTL_RECIPE).")
+@click.option("--tier", "tier", metavar="NAME", shell_complete=complete.tiers, help="Use this tier, whatever the prefix or heuristic says.")
+@click.option("--model", "model", metavar="REF", shell_complete=complete.models, help="A .gguf file, an int4-stream folder, or a store name, instead of the tier's model.")
+@click.option("--recipe", "recipe", metavar="FILE|NAME", shell_complete=complete.recipes, help="Recipe of tiers (default: built-in 'default', or $GEMMACTL_RECIPE).")
 @click.option("--max-tokens", type=click.IntRange(min=1), metavar="N", help="Most tokens to generate (default: the tier's).")
 @click.option("--temperature", type=NON_NEGATIVE, metavar="T", help="Sampling temperature; 0 is greedy (default: the tier's).")
 @click.option("--seed", type=int, metavar="N", help="Seed for sampling, for repeatable output.")
+@click.option("--system", "system", metavar="TEXT", help="System text to answer under (a chat template's system turn, or a line above a base model's question).")
 @click.option("--show-thinking", is_flag=True, help="Also print what the model thinks before answering.")
 @click.option("--raw", is_flag=True, help="Send the prompt as is: no chat template, no question frame.")
 @click.option("--stats", is_flag=True, help="Print the routing decision and speed figures to stderr.")
 @click.option("--json", "json_mode", is_flag=True, help="Print one JSON object: answer, thinking, route and stats.")
-def run(prompt, tier, model, recipe, max_tokens, temperature, seed, show_thinking, raw, stats, json_mode):
+def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show_thinking, raw, stats, json_mode):
     """Answer a prompt with a local model, routed to a tier.
 
     The answer streams to stdout as it is generated. The PROMPT comes from the arguments, or
@@ -51,6 +53,7 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, show_thinkin
         temperature=temperature,
         seed=seed,
         raw=raw,
+        system=system,
     )
     store = Store()
     with byte_progress("assembling the embedded model", progress_enabled(json_mode)) as progress:
@@ -61,7 +64,7 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, show_thinkin
             warn(notice)
     try:
         answer, thinking, final = [], [], None
-        printer = _StreamPrinter(show_thinking) if not json_mode else None
+        printer = StreamPrinter(show_thinking) if not json_mode else None
         for event in stream_generate(backend, spec.request):
             if isinstance(event, GenerationStats):
                 final = event
@@ -74,6 +77,9 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, show_thinkin
     finally:
         backend.close()
 
+    empty = not "".join(answer).strip()
+    if empty and not json_mode:
+        warn(f"the answer is empty: {final.why_empty()}")
     if json_mode:
         emit_json(
             {
@@ -93,6 +99,7 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, show_thinkin
                     "library": backend.library,
                 },
                 "notices": backend.notices,
+                **({"empty_answer": final.why_empty()} if empty else {}),
                 "stats": final.to_dict(),
             }
         )
@@ -106,45 +113,6 @@ def _read_stdin() -> str:
     return sys.stdin.read()
 
 
-class _StreamPrinter:
-    """Writes answer pieces to stdout as they come; thinking only when asked, marked off."""
-
-    def __init__(self, show_thinking: bool):
-        self.show_thinking = show_thinking
-        self.in_thinking = False
-        self.answer_started = False
-        self.wrote = ""
-
-    def write(self, channel: str, text: str) -> None:
-        if channel == "thinking":
-            if not self.show_thinking:
-                return
-            if not self.in_thinking:
-                self._out("Thinking...\n")
-                self.in_thinking = True
-        else:
-            if self.in_thinking:
-                self._out("\n...done thinking.\n\n")
-                self.in_thinking = False
-            if not self.answer_started:
-                # Completions start with the space that followed the prompt: not part of the answer.
-                text = text.lstrip()
-                self.answer_started = bool(text)
-        self._out(text)
-
-    def finish(self) -> None:
-        if self.in_thinking:
-            self._out("\n...done thinking.\n")
-        if self.wrote and not self.wrote.endswith("\n"):
-            self._out("\n")
-
-    def _out(self, text: str) -> None:
-        if text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-            self.wrote = text
-
-
 def _stats_text(spec, model_path, s, backend) -> str:
     route = spec.route
     thinking = "on" if spec.request.thinking else "off"
@@ -155,11 +123,15 @@ def _stats_text(spec, model_path, s, backend) -> str:
         + (f", library: {backend.library}" if backend.library else "")
         + f", prompt mode {s.prompt_mode}",
         f"load {s.load_s:.2f} s · ttft {s.ttft_s:.3f} s · prompt {s.prompt_tokens} tok "
-        f"({s.prefill_tok_s:.1f} tok/s) · generated {s.generated_tokens} tok · "
-        f"decode {s.decode_tok_s:.1f} tok/s · wall {s.wall_tok_s:.1f} tok/s · "
+        f"({_rate(s.prefill_tok_s)} tok/s) · generated {s.generated_tokens} tok · "
+        f"decode {_rate(s.decode_tok_s)} tok/s · wall {s.wall_tok_s:.1f} tok/s · "
         f"peak RSS {format_size(s.peak_rss_bytes)} · stop: {s.stop_reason}",
     ]
     placement = backend.placement
     if placement is not None and placement.applied:
         lines.append(f"placement: {placement.reason}; llama.cpp {' '.join(placement.server_args)}")
     return "\n".join(lines)
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
+import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 import click
 
+from gemmactl.cli import complete
+
+DETACHED_LOG = "GEMMACTL_SERVE_LOG"  # set for a detached server: the log file its stderr goes to
+READY_TIMEOUT_S = 900  # loading big models and starting every tier can take minutes
+
 
 @click.command("serve")
-@click.option("--recipe", "recipe", metavar="FILE|NAME", help="Recipe of tiers (default: built-in 'default', or $GEMMACTL_RECIPE).")
+@click.option("--recipe", "recipe", metavar="FILE|NAME", shell_complete=complete.recipes, help="Recipe of tiers (default: built-in 'default', or $GEMMACTL_RECIPE).")
 @click.option("--host", default="127.0.0.1", show_default=True, metavar="ADDR", help="Address to listen on; 0.0.0.0 exposes the server to the network.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), metavar="N", help="Port to listen on (0: any free port).")
 @click.option("--api-key", metavar="KEY", envvar="GEMMACTL_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* and /metrics (or set GEMMACTL_API_KEY).")
@@ -20,8 +29,9 @@ import click
 @click.option("--queue", default=512, show_default=True, type=click.IntRange(min=0), metavar="N", help="Requests that may wait per tier; past it, 503 with Retry-After (or a peer).")
 @click.option("--no-speculative", is_flag=True, help="Turn off every tier's speculative decoding.")
 @click.option("--threads", type=click.IntRange(min=1), metavar="N", help="CPU threads per backend (default: every core).")
+@click.option("--detach", is_flag=True, help="Start the server in the background, wait until it is ready, print its URL and return.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the server's state as one JSON line once it is ready.")
-def serve(recipe, host, port, api_key, peers, queue, no_speculative, threads, json_mode):
+def serve(recipe, host, port, api_key, peers, queue, no_speculative, threads, detach, json_mode):
     """Serve every tier of a recipe behind one OpenAI-compatible endpoint.
 
     Each GGUF tier gets a persistent llama-server from `gemmactl build` (prompt cache on,
@@ -30,19 +40,46 @@ def serve(recipe, host, port, api_key, peers, queue, no_speculative, threads, js
     as `gemmactl run` does. Stop with Ctrl-C: the llama-server children stop too.
 
     \b
+    The log goes to stderr and to a file under the store (`gemmactl logs PID` shows it);
+    `--detach` runs the server in the background and `gemmactl stop PID` ends it.
+
+    \b
     Examples:
       gemmactl serve
       gemmactl serve --recipe gemma4-4gb --port 9000 --api-key secret --peer http://box2:8080
+      gemmactl serve --detach && gemmactl ps
     """
     from gemmactl.recipes import resolve_recipe
+    from gemmactl.server.registry import logs_dir
     from gemmactl.server.service import ServeConfig, Service
+    from gemmactl.store import Store
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    resolved = resolve_recipe(recipe)  # a bad recipe fails here, before anything starts
+    store = Store()
+    if detach:
+        args = ["--host", host, "--port", str(port), "--queue", str(queue)]
+        args += (["--recipe", recipe] if recipe else []) + [a for peer in peers for a in ("--peer", peer)]
+        args += (["--no-speculative"] if no_speculative else []) + (["--threads", str(threads)] if threads else [])
+        state = _detach(store, args, api_key)
+        if json_mode:
+            click.echo(json.dumps(state))
+        else:
+            click.echo(f"gemmactl serve: {state['url']} (pid {state['pid']}, recipe {state['recipe']}); "
+                       f"logs: gemmactl logs {state['pid']}; stop: gemmactl stop {state['pid']}")
+        return 0
+    # A detached server's stderr is its log file already (the parent opened it).
+    log_path = Path(os.environ[DETACHED_LOG]) if os.environ.get(DETACHED_LOG) else \
+        logs_dir(store) / f"serve-{os.getpid()}.log"
+    handlers = [logging.StreamHandler(sys.stderr)]
+    if not os.environ.get(DETACHED_LOG):
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_path))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", handlers=handlers)
     config = ServeConfig(
-        recipe=resolve_recipe(recipe), host=host, port=port, api_key=api_key, peers=list(peers), queue=queue,
-        speculative=not no_speculative, threads=threads,
+        recipe=resolved, host=host, port=port, api_key=api_key, peers=list(peers), queue=queue,
+        speculative=not no_speculative, threads=threads, log_path=log_path,
     )
-    service = Service(config)
+    service = Service(config, store)
     stopping = []
 
     def stop(signum, frame):
@@ -66,3 +103,32 @@ def serve(recipe, host, port, api_key, peers, queue, no_speculative, threads, js
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def _detach(store, args: list[str], api_key: str | None) -> dict:
+    """Start `gemmactl serve ARGS` in a session of its own, logging to a file; return its state once ready."""
+    from gemmactl.errors import ServerError
+    from gemmactl.server.registry import logs_dir, pid_alive, servers_dir
+
+    log_path = logs_dir(store) / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, **{DETACHED_LOG: str(log_path), "GEMMACTL_HOME": str(store.home)})
+    if api_key:
+        env["GEMMACTL_API_KEY"] = api_key  # not on the command line, where any user could read it
+    with open(log_path, "ab") as log:
+        child = subprocess.Popen([sys.executable, "-m", "gemmactl", "serve", *args], stdin=subprocess.DEVNULL,
+                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for path in servers_dir(store).glob(f"{child.pid}-*.json"):
+            try:
+                return json.loads(path.read_text())
+            except (OSError, ValueError):
+                pass  # being written: read it again
+        if child.poll() is not None or not pid_alive(child.pid):
+            lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+            raise ServerError(f"the server exited before it was ready: {lines[-1] if lines else 'no output'}",
+                              hint=f"See its log: {log_path}")
+        time.sleep(0.1)
+    child.terminate()
+    raise ServerError(f"the server was not ready after {READY_TIMEOUT_S} s", hint=f"See its log: {log_path}")

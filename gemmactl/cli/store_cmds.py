@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from gemmactl.cli import complete
 from gemmactl.cli.output import emit_json, table
 from gemmactl.sizes import format_size
 
@@ -34,7 +35,7 @@ def list_cmd(json_mode: bool) -> None:
 
 
 @click.command("rm")
-@click.argument("name")
+@click.argument("name", shell_complete=complete.store_names)
 @click.option("-y", "--yes", is_flag=True, help="Remove without asking.")
 @click.option("--purge", is_flag=True, help="Also delete the Hugging Face cache files that only this pull uses.")
 @click.option("--json", "json_mode", is_flag=True, help="Print what was removed as JSON.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from gemmactl.errors import BuildError, InvalidOptionError, UnsupportedModelError
+from gemmactl.errors import BuildError, GemmactlError, InvalidOptionError, UnsupportedModelError
 from gemmactl.fileio import sha256_file
 
 if TYPE_CHECKING:  # the build is passed in; formats never look it up
@@ -38,7 +39,13 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
 )
 
-Progress = Callable[[str, float], None]  # (step, elapsed seconds)
+Progress = Callable[[str, float, float | None], None]  # (step, done, total or None when unknown)
+
+# What the tools print as they go: the converter one line per tensor ("NAME, bf16 --> BF16, shape
+# = {…}") and then its writer's tqdm bar ("Writing:  45%|…"), llama-quantize "[  12/ 340] NAME".
+_CONVERTED_TENSOR = re.compile(r" --> \w+, shape = ")
+_WRITING = re.compile(r"^Writing:\s+(\d+)%")
+_QUANTIZED = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,7 @@ def quantize_to_gguf(
     progress: Progress | None = None,
 ) -> GgufResult:
     """Convert, (optionally) compute an importance matrix, quantize; the file appears at out_path only complete."""
-    progress = progress or (lambda step, elapsed: None)
+    progress = progress or (lambda step, done, total: None)
     if quant in NEEDS_IMATRIX and not (imatrix or calibration):
         raise InvalidOptionError(f"{quant} needs an importance matrix", hint="Pass --imatrix FILE or --calibration TEXTFILE.")
     source_tree = Path(build.source["path"])
@@ -102,38 +109,80 @@ def quantize_to_gguf(
         outtype = quant.lower() if quant in ("F16", "BF16") else "bf16"
         converted = Path(tmp) / f"model-{outtype}.gguf"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source_tree / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
-        progress("convert", time.monotonic() - start)
-        _step("convert", [sys.executable, str(converter), str(checkpoint), "--outtype", outtype, "--outfile", str(converted)], log, log_path, env)
+        _step("convert", [sys.executable, str(converter), str(checkpoint), "--outtype", outtype, "--outfile", str(converted)],
+              log, log_path, env, progress=_converter_progress(progress, _tensor_count(checkpoint)))
         result = converted
         if quant not in ("F16", "BF16"):
             if calibration:
                 imatrix = Path(tmp) / "imatrix.gguf"
-                progress("imatrix", time.monotonic() - start)
+                progress("imatrix", 0, None)
                 _step("imatrix", [str(build.binary("llama-imatrix")), "-m", str(converted), "-f", str(calibration), "-o", str(imatrix)], log, log_path)
             result = Path(tmp) / f"model-{quant}.gguf"
             cmd = [str(build.binary("llama-quantize"))]
             if imatrix:
                 cmd += ["--imatrix", str(imatrix)]
-            progress("quantize", time.monotonic() - start)
-            _step("quantize", cmd + [str(converted), str(result), quant], log, log_path)
+
+            def quantized(line: str) -> None:
+                if match := _QUANTIZED.match(line):
+                    progress("quantize", int(match.group(1)), int(match.group(2)))
+
+            progress("quantize", 0, None)
+            _step("quantize", cmd + [str(converted), str(result), quant], log, log_path, progress=quantized)
             converted.unlink()  # free the disk before the final move
-        progress("checksum", time.monotonic() - start)
+        progress("checksum", 0, None)
         digest = sha256_file(result)
         os.replace(result, out_path)
     used = str(imatrix) if imatrix and not calibration else ("calibration:" + str(calibration) if calibration else None)
     return GgufResult(out_path, digest, quant, used, round(time.monotonic() - start, 1))
 
 
-def _step(step: str, cmd: list[str], log, log_path: Path, env: dict | None = None) -> None:
+def _step(step: str, cmd: list[str], log, log_path: Path, env: dict | None = None,
+          progress: Callable[[str], None] | None = None) -> None:
+    """Run one tool, its output into the log; progress sees each line (a tqdm bar's \\r updates too)."""
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
-    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    pending = b""
+    for data in iter(lambda: proc.stdout.read1(65536), b""):
+        log.write(data.decode("utf-8", errors="replace"))
+        pending += data
+        *lines, pending = re.split(rb"[\r\n]", pending)
+        if progress is not None:
+            for line in lines:
+                progress(line.decode("utf-8", errors="replace"))
+    code = proc.wait()
+    if code != 0:
         log.flush()
         lines = [line for line in Path(log_path).read_text(errors="replace").splitlines() if line.strip()]
         errors = [line for line in lines if "error" in line.lower()]
         detail = (errors or lines or ["no output"])[-1][:200]
-        raise BuildError(f"the {step} step failed (exit {proc.returncode}): {detail}", hint=f"The full log is {log_path}.")
+        raise BuildError(f"the {step} step failed (exit {code}): {detail}", hint=f"The full log is {log_path}.")
+
+
+def _converter_progress(progress: Progress, tensors: int | None) -> Callable[[str], None]:
+    """The converter's output as progress: tensors read (against the checkpoint's count), then bytes written."""
+    seen = [0]
+    progress("convert", 0, tensors)
+
+    def line(text: str) -> None:
+        if _CONVERTED_TENSOR.search(text):
+            seen[0] += 1
+            progress("convert", min(seen[0], tensors or seen[0]), tensors)
+        elif match := _WRITING.match(text.strip()):
+            progress("write", int(match.group(1)), 100)
+
+    return line
+
+
+def _tensor_count(checkpoint: Path) -> int | None:
+    """How many tensors the checkpoint's safetensors headers list (what the converter goes through)."""
+    from gemmactl.formats.int4.checkpoint import read_safetensors_header, safetensors_files
+
+    try:
+        return sum(len([k for k in read_safetensors_header(f)[0] if k != "__metadata__"])
+                   for f in safetensors_files(Path(checkpoint))) or None
+    except (OSError, ValueError, GemmactlError):
+        return None
 
 
 def remove_partial_outputs(path: Path) -> None:

@@ -39,7 +39,7 @@ from gemmactl.hub.cache import (
     load_listing,
     save_listing,
 )
-from gemmactl.hub.select import Selection, select_files, validate_repo_id
+from gemmactl.hub.select import Selection, parse_reference, select_files
 from gemmactl.sizes import format_size
 from gemmactl.store import Artifact, Store
 
@@ -125,8 +125,11 @@ def plan_pull(
     prefer_cache: bool = False,
     store: Store | None = None,
 ) -> PullPlan:
-    """Resolve the revision to a commit and choose the files; offline (or prefer_cache) uses the saved listing."""
-    validate_repo_id(repo_id)
+    """Resolve the revision to a commit and choose the files; offline (or prefer_cache) uses the saved listing.
+
+    repo_id may carry its quantization (OWNER/NAME:Q4_K_M, hf.co/OWNER/NAME:Q4_K_M).
+    """
+    repo_id, quant = parse_reference(repo_id, quant)
     revision = revision or DEFAULT_REVISION
     if any(ch.isspace() for ch in revision) or ".." in revision:
         raise InvalidOptionError(f"'{revision}' is not a valid revision", hint="Pass a branch, tag or commit sha.")

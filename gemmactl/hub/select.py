@@ -54,6 +54,29 @@ class Selection:
 # -- choosing -------------------------------------------------------------------------------------
 
 
+_HOST_PREFIXES = ("hf.co/", "huggingface.co/")  # Ollama's form: hf.co/OWNER/NAME:QUANT
+
+
+def parse_reference(reference: str, quant: str | None = None) -> tuple[str, str | None]:
+    """(repo id, quant) from OWNER/NAME, OWNER/NAME:QUANT or hf.co/OWNER/NAME:QUANT (Ollama's form);
+    a quantization written both there and in --quant must agree."""
+    text = reference.strip()
+    for prefix in _HOST_PREFIXES:
+        if text.lower().startswith(prefix):
+            text = text[len(prefix):]
+            break
+    repo_id, colon, tag = text.rpartition(":")
+    if not colon or "/" in tag:  # no quantization written (a ':' inside a URL is not one)
+        return validate_repo_id(text), quant
+    if not tag:
+        raise InvalidRepoIdError(f"'{reference}' ends with ':' but names no quantization",
+                                 hint="Write it like OWNER/NAME:Q4_K_M, or leave the ':' out.")
+    if quant and quant.upper() != tag.upper():
+        raise InvalidRepoIdError(f"'{reference}' asks for {tag} but --quant says {quant}",
+                                 hint="Give the quantization once.")
+    return validate_repo_id(repo_id), tag
+
+
 def validate_repo_id(repo_id: str) -> str:
     """Return the repo id if it is shaped like one (OWNER/NAME); raise InvalidRepoIdError otherwise."""
     if not _REPO_ID_RE.match(repo_id) or "--" in repo_id or ".." in repo_id or repo_id.endswith(".git"):

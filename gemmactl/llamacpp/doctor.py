@@ -101,7 +101,7 @@ def _prove(backend) -> Proof:
         layers_total=int(offloaded.group(2)) if offloaded else None,
         model_buffers_mib=buffers,
         system_info=system_info,
-        decode_tok_s=round(stats.engine_decode_tok_s or stats.decode_tok_s, 1),
+        decode_tok_s=round(stats.engine_decode_tok_s or stats.decode_tok_s or 0.0, 1),
         answer=answer,
         log_tail=[line.rstrip() for line in lines if "offload" in line or "buffer size" in line][-12:],
     )

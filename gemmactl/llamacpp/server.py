@@ -49,6 +49,15 @@ def sampling_fields(temperature: float, top_k: int, top_p: float, min_p: float, 
             "repeat_penalty": repeat_penalty}
 
 
+def _repack(repack: bool | None) -> bool:
+    """llama-server's weight repacking: as asked, else the in-process backend's choice (off by default)."""
+    if repack is not None:
+        return repack
+    from gemmactl.runtime.llamacpp import use_extra_buffers
+
+    return use_extra_buffers()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -72,7 +81,7 @@ class LlamaServer:
         context: int,
         parallel: int = 1,
         n_gpu_layers: int = 999,
-        repack: bool = True,
+        repack: bool | None = None,
         log_dir: Path,
         placement: Sequence[str] | None = None,
         extra_args: Sequence[str] = (),
@@ -94,7 +103,7 @@ class LlamaServer:
             str(binary), "-m", self.model_path, "--host", HOST, "--port", str(self.port),
             "-t", str(threads), "-tb", str(threads), "-c", str(context * parallel), "-np", str(parallel),
             *gpu, "--no-kv-unified", "-fa", flash_attn, "--swa-full",
-        ] + ([] if repack else ["--no-repack"]) + list(extra_args)
+        ] + ([] if _repack(repack) else ["--no-repack"]) + list(extra_args)
         log_dir.mkdir(parents=True, exist_ok=True)
         name = f"llama-server-{label}-{self.port}" if label else f"llama-server-np{parallel}-{self.port}"
         self.log_path = log_dir / f"{name}.log"
@@ -118,6 +127,7 @@ class LlamaServer:
     def start(self, timeout: float = 180) -> float:
         """Start and wait for /health; returns the seconds it took (the server's load time)."""
         started = time.perf_counter()
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             try:
                 self.process = subprocess.Popen(
@@ -140,6 +150,26 @@ class LlamaServer:
             time.sleep(0.05)
         self.stop()
         raise ServerError(f"llama-server was not ready after {timeout:.0f} s", hint=f"See its log: {self.log_path}")
+
+    def speculation_refused(self) -> str | None:
+        """Why this run of the server turned down its draft model (it then decodes without one), or None.
+
+        llama-server logs the refusal (e.g. an incompatible vocabulary) and starts anyway.
+        """
+        if "-md" not in self.command and "--spec-type" not in self.command:
+            return None
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(getattr(self, "_log_start", 0))
+                lines = log.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        marks = ("failed to initialize speculative decoding", "vocabs are not compatible", "failed to load draft model")
+        found = [line for line in lines if any(mark in line for mark in marks)]
+        if not found:
+            return None
+        detail = next((line for line in lines if "must match target model" in line), found[-1])
+        return detail.split(": ", 1)[-1].strip() if ": " in detail else detail.strip()
 
     def stop(self) -> None:
         """Ask the server to stop; kill it if it does not within 10 s."""

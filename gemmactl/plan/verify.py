@@ -83,7 +83,8 @@ class GpuMemorySampler:
             self.peak = max(self.peak, self._sample())
 
 
-def verify_plan(plan: Plan, open_backend: Callable[..., Backend], *, store=None) -> VerifyResult:
+def verify_plan(plan: Plan, open_backend: Callable[..., Backend], *, store=None,
+                announce: Callable[[str], None] | None = None) -> VerifyResult:
     """Load the GGUF with the plan's -ngl, decode VERIFY_TOKENS tokens greedily, compare.
 
     open_backend(context=, placement=, extra_args=) loads the plan's model: the generation path's
@@ -105,6 +106,9 @@ def verify_plan(plan: Plan, open_backend: Callable[..., Backend], *, store=None)
         here = replace(here, vram_bytes=0)
         cpu_plan = evaluate(plan.inventory, here, Budget(0, plan.budget.ram_bytes), Placement(0), plan.context, plan.parallel)
         n_gpu_layers, predicted, placement = 0, cpu_plan.decode_tok_s, "cpu (no usable GPU here)"
+    if announce is not None:
+        where = f"with {n_gpu_layers} GPU layers as planned" if usable_gpu else "on the CPU (no usable GPU here)"
+        announce(f"loading the model {where}, then decoding {VERIFY_TOKENS} tokens greedily")
     request = GenerationRequest(prompt=VERIFY_PROMPT, max_tokens=VERIFY_TOKENS, temperature=0.0, raw=True)
     with GpuMemorySampler() as sampler:
         overrides = _overrides(plan) if usable_gpu else ()

@@ -33,6 +33,8 @@ class Sampling:
 
 
 DEFAULTS = Sampling()
+# Tokens the repeat penalty looks back over, prompt included (llama.cpp's repeat_last_n default).
+REPEAT_LAST_N = 64
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,14 @@ class Chunk:
     """Several generated tokens at once, from a backend that makes a whole answer in one call.
 
     `stop_reason` is "stop" when the engine itself stopped at one of the prompt's stop strings
-    (its text then leaves the string out); None lets the core decide as for single tokens.
+    (its text then leaves the string out, `stop_string` names it); None lets the core decide as
+    for single tokens.
     """
 
     text: str
     tokens: int
     stop_reason: str | None = None
+    stop_string: str | None = None
 
 
 @dataclass(frozen=True)
@@ -159,15 +163,26 @@ class GenerationStats:
     ttft_s: float  # request start → first generated token
     prompt_tokens: int
     generated_tokens: int
-    prefill_tok_s: float
-    decode_tok_s: float  # decode only: tokens after the first ÷ time after the first
+    prefill_tok_s: float | None  # None when the first token came at once (nothing to measure)
+    decode_tok_s: float | None  # decode only: tokens after the first ÷ time after the first; None under 2 tokens
     wall_s: float  # request start → last token
     wall_tok_s: float  # generated tokens ÷ wall_s
     peak_rss_bytes: int
     stop_reason: str  # "eos", "length" or "stop"
     prompt_mode: str
     engine_decode_tok_s: float | None = None  # the engine's own decode timer, when it has one
+    stop_string: str | None = None  # the stop string that ended the answer (stop_reason "stop")
     extra: dict = field(default_factory=dict)
+
+    def why_empty(self) -> str:
+        """Why an answer came out empty, in words: what ended it, after how many tokens."""
+        tokens = f"after {self.generated_tokens} token{'s' if self.generated_tokens != 1 else ''}"
+        if self.stop_reason == "stop":
+            return f"the model wrote the stop string {self.stop_string!r} {tokens}" if self.stop_string else \
+                f"a stop string ended it {tokens}"
+        if self.stop_reason == "length":
+            return f"it reached the token limit {tokens} without visible text"
+        return f"the model ended its answer {tokens}"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -256,7 +271,7 @@ def stream_generate(backend: Backend, request: GenerationRequest) -> Iterator[Pi
     first_token_at: float | None = None
     last_token_at = start
     n_generated = 0
-    stop_reason = "eos"
+    stop_reason, stop_string = "eos", None
     chunked = False  # some tokens came together: no per-token timing for them
     for text in backend.generate(prompt, request):
         now = time.perf_counter()
@@ -267,6 +282,7 @@ def stream_generate(backend: Backend, request: GenerationRequest) -> Iterator[Pi
             chunked = True
             n_generated += text.tokens
             stop_reason = text.stop_reason or stop_reason
+            stop_string = text.stop_string or stop_string
             text = text.text
         else:
             n_generated += 1
@@ -274,7 +290,7 @@ def stream_generate(backend: Backend, request: GenerationRequest) -> Iterator[Pi
         for channel, piece in cleaner.feed(visible):
             yield Piece(piece, channel)
         if stopped:
-            stop_reason = "stop"
+            stop_reason, stop_string = "stop", stopper.matched
             break
         if n_generated >= max_tokens:
             stop_reason = "length"
@@ -284,7 +300,9 @@ def stream_generate(backend: Backend, request: GenerationRequest) -> Iterator[Pi
             yield Piece(piece, channel)
     for channel, piece in cleaner.flush():
         yield Piece(piece, channel)
-    yield _stats(backend, prompt, n_prompt, n_generated, start, first_token_at, last_token_at, stop_reason, chunked)
+    stats = _stats(backend, prompt, n_prompt, n_generated, start, first_token_at, last_token_at, stop_reason, chunked)
+    stats.stop_string = stop_string if stop_reason == "stop" else None
+    yield stats
 
 
 def _stats(backend, prompt, n_prompt, n_generated, start, first_at, last_at, stop_reason,
@@ -295,19 +313,20 @@ def _stats(backend, prompt, n_prompt, n_generated, start, first_at, last_at, sto
     decode_time = last_at - first_at
     engine = backend.engine_timings()
     engine_decode = None
-    if engine and engine.decode_s > 0 and engine.decode_tokens > 0:
+    # A rate needs something to measure: one generated token is prefill's, not decode's.
+    if engine and engine.decode_s > 0 and engine.decode_tokens > 1:
         engine_decode = engine.decode_tokens / engine.decode_s
-    decode = (n_generated - 1) / decode_time if n_generated > 1 and decode_time > 0 else 0.0
+    decode = (n_generated - 1) / decode_time if n_generated > 1 and decode_time > 0 else None
     if chunked:
         # The tokens arrived together: "first token" is the whole answer (what the caller waited
         # for), and only the engine knows how fast it decoded them.
-        decode = engine_decode or 0.0
+        decode = engine_decode
     return GenerationStats(
         load_s=backend.load_s,
         ttft_s=ttft,
         prompt_tokens=n_prompt,
         generated_tokens=n_generated,
-        prefill_tok_s=n_prompt / ttft if ttft > 0 else 0.0,
+        prefill_tok_s=n_prompt / ttft if ttft > 0 else None,
         # The first token comes out of prefill; decode speed counts the tokens after it.
         decode_tok_s=decode,
         wall_s=wall,

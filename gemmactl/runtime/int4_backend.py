@@ -17,7 +17,7 @@ from typing import Iterator
 
 from gemmactl.errors import BackendError
 from gemmactl.prompt.build import ModelText
-from gemmactl.runtime.base import EngineTimings, GenerationRequest, PreparedPrompt, PromptedBackend
+from gemmactl.runtime.base import REPEAT_LAST_N, EngineTimings, GenerationRequest, PreparedPrompt, PromptedBackend
 
 DEBUG_HINT = "Rerun with --debug for details."
 _DETOKENIZE_CONTEXT = 4  # prompt tokens decoded with the first new token, so its leading space survives
@@ -181,7 +181,8 @@ def sample_token(logits, history: list[int], request: GenerationRequest, generat
     import torch
 
     if request.repeat_penalty != 1.0 and history:
-        seen = torch.tensor(sorted(set(history)))
+        # The last REPEAT_LAST_N tokens, prompt included, as llama.cpp's penalty sees them.
+        seen = torch.tensor(sorted(set(history[-REPEAT_LAST_N:])))
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / request.repeat_penalty, values * request.repeat_penalty)
     if request.temperature == 0:

@@ -29,19 +29,17 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def use_extra_buffers(lib) -> bool:
-    """Whether llama.cpp may use its extra CPU weight buffers (repacked and AMX layouts).
+def use_extra_buffers() -> bool:
+    """Whether llama.cpp may repack weights into its extra CPU buffers (repacked and AMX layouts).
 
-    The AMX matmul of the llama.cpp in llama-cpp-python 0.3.36 segfaults on AMX CPUs (seen with
-    Gemma 3 270M Q4_K_M on a Sapphire-Rapids-class Xeon), so builds with AMX run without the
-    extra buffers. GEMMACTL_LLAMA_EXTRA_BUFFERS=on|off overrides the choice.
+    Off unless GEMMACTL_LLAMA_EXTRA_BUFFERS=on. The repacked CPU kernels round differently for
+    different batch sizes, so a prompt evaluated partly from a server's cached prefix gave other
+    greedy tokens than the whole prompt (9 of 22 plain prompts of the default recipe); without them
+    the cached and uncached paths agree, and `run` and `serve` with them. On the 2-core x86 machine
+    here they gained nothing on prompts and 6% on decode, within the spread (docs/benchmarks.md). The AMX matmul among them also
+    segfaults in llama-cpp-python 0.3.36 on AMX CPUs.
     """
-    setting = os.environ.get("GEMMACTL_LLAMA_EXTRA_BUFFERS", "auto").lower()
-    if setting in ("on", "1", "true"):
-        return True
-    if setting in ("off", "0", "false"):
-        return False
-    return "AMX_INT8 = 1" not in lib.llama_print_system_info().decode(errors="replace")
+    return os.environ.get("GEMMACTL_LLAMA_EXTRA_BUFFERS", "off").lower() in ("on", "1", "true")
 
 
 _PARAMS_LOCK = threading.Lock()
@@ -135,6 +133,30 @@ def model_param_fields(lib, extra_buffers: bool, tensor_overrides: tuple[str, ..
     return fields, array
 
 
+@contextmanager
+def _penalizing_the_prompt(llm, prompt_tokens: list[int]):
+    """Let the repeat penalty see the prompt's last tokens, as llama-server's does.
+
+    llama-server feeds every prompt token to its sampler before the first step, so its repeat
+    penalty (the last 64 tokens) covers the prompt's end; llama-cpp-python's covers only what it
+    generated. With the prompt fed to the sampler llama-cpp-python builds in `generate` (its
+    `_init_sampler`, llama-cpp-python 0.3.36), `run` and `serve` pick the same tokens.
+    """
+    make = llm._init_sampler
+
+    def init_sampler(*args, **kwargs):
+        sampler = make(*args, **kwargs)
+        for token in prompt_tokens[-llm.last_n_tokens_size:]:  # 64, REPEAT_LAST_N
+            sampler.accept(token)
+        return sampler
+
+    llm._init_sampler = init_sampler
+    try:
+        yield
+    finally:
+        del llm._init_sampler  # back to the class's method
+
+
 class LlamaCppBackend(PromptedBackend):
     """One GGUF model loaded by llama.cpp, generating token by token.
 
@@ -171,7 +193,7 @@ class LlamaCppBackend(PromptedBackend):
         self.placement = placement
         capture_llama_logs(llama_cpp)
         threads = n_threads or default_threads()
-        self.extra_buffers = use_extra_buffers(llama_cpp)
+        self.extra_buffers = use_extra_buffers()
         start = time.perf_counter()
         self.tensor_overrides = tuple(tensor_overrides)
         # The array is kept on self: llama.cpp reads it while the model loads.
@@ -221,26 +243,27 @@ class LlamaCppBackend(PromptedBackend):
         # sliding-window (iSWA) model such as Gemma 3 wrongly, and greedy output then differs
         # from a fresh run (tests/test_llamacpp_backend.py shows it).
         llm.reset()
-        tokens = llm.generate(
-            prompt.tokens,
-            temp=request.temperature,
-            top_k=request.top_k,
-            top_p=request.top_p,
-            min_p=request.min_p,
-            repeat_penalty=request.repeat_penalty,
-            reset=True,
-        )
-        for _ in range(request.max_tokens):
-            try:
-                token = next(tokens)
-            except StopIteration:
-                return
-            except RuntimeError as exc:  # llama_decode failed (e.g. out of KV cache)
-                raise BackendError(f"llama.cpp failed while generating: {exc}", hint=DEBUG_HINT) from exc
-            if lib.llama_vocab_is_eog(vocab, token):
-                return
-            # An incomplete character at the very end of generation is dropped.
-            yield decoder.decode(llm.detokenize([token]))
+        with _penalizing_the_prompt(llm, prompt.tokens):
+            tokens = llm.generate(
+                prompt.tokens,
+                temp=request.temperature,
+                top_k=request.top_k,
+                top_p=request.top_p,
+                min_p=request.min_p,
+                repeat_penalty=request.repeat_penalty,
+                reset=True,
+            )
+            for _ in range(request.max_tokens):
+                try:
+                    token = next(tokens)
+                except StopIteration:
+                    return
+                except RuntimeError as exc:  # llama_decode failed (e.g. out of KV cache)
+                    raise BackendError(f"llama.cpp failed while generating: {exc}", hint=DEBUG_HINT) from exc
+                if lib.llama_vocab_is_eog(vocab, token):
+                    return
+                # An incomplete character at the very end of generation is dropped.
+                yield decoder.decode(llm.detokenize([token]))
 
     def engine_timings(self) -> EngineTimings | None:
         data = self._lib.llama_perf_context(self._llm.ctx)

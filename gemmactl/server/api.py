@@ -54,6 +54,10 @@ def parse_request(kind: str, body: object, recipe: Recipe) -> Routed:
             f"no model '{model}': this server's models are its tiers ({', '.join(tiers)}) or 'auto'",
             hint="List them with GET /v1/models.",
         )
+    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none"):
+        # Refused rather than ignored: a client that sends tools expects calls, not prose.
+        raise InvalidOptionError("tool calling is not supported by this server ('tools', 'functions', 'tool_choice')",
+                                 hint="Send the request without tools.")
     messages = None
     if kind == "chat":
         messages = normalize_messages(body.get("messages"))
@@ -192,15 +196,23 @@ def usage(stats) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
-def extension(r: Routed, stats, counters: dict | None) -> dict:
-    """gemmactl's own fields in a response: routing and the request's timings."""
+def extension(r: Routed, stats, counters: dict | None, empty: bool = False) -> dict:
+    """gemmactl's own fields in a response: routing, the request's timings, and why it stopped
+    (and, for an answer that came out empty, why in words)."""
     data = {"tier": r.tier, "route": r.route.reason}
     if stats is not None:
         data.update({"ttft_s": round(stats.ttft_s, 4), "wall_s": round(stats.wall_s, 4),
-                     "decode_tok_s": round(stats.decode_tok_s, 2)})
+                     "decode_tok_s": _rounded(stats.decode_tok_s), "stop_reason": stats.stop_reason,
+                     "stop_string": stats.stop_string})
+        if empty:
+            data["empty_answer"] = stats.why_empty()
     if counters:
         data.update(counters)
     return data
+
+
+def _rounded(rate: float | None) -> float | None:
+    return None if rate is None else round(rate, 2)
 
 
 def full_response(r: Routed, answer: str, thinking: str, stats, counters: dict | None) -> dict:
@@ -214,7 +226,7 @@ def full_response(r: Routed, answer: str, thinking: str, stats, counters: dict |
         choice = {"index": 0, "text": answer, "finish_reason": finish_reason(stats), "logprobs": None}
         obj = "text_completion"
     return {"id": r.id, "object": obj, "created": r.created, "model": r.tier, "choices": [choice],
-            "usage": usage(stats), "gemmactl": extension(r, stats, counters)}
+            "usage": usage(stats), "gemmactl": extension(r, stats, counters, empty=not answer.strip())}
 
 
 def chunk(r: Routed, *, text: str | None = None, channel: str = "answer", first: bool = False,
@@ -234,10 +246,10 @@ def chunk(r: Routed, *, text: str | None = None, channel: str = "answer", first:
     return {"id": r.id, "object": obj, "created": r.created, "model": r.tier, "choices": [choice]}
 
 
-def usage_chunk(r: Routed, stats, counters: dict | None) -> dict:
+def usage_chunk(r: Routed, stats, counters: dict | None, empty: bool = False) -> dict:
     obj = "chat.completion.chunk" if r.kind == "chat" else "text_completion"
     return {"id": r.id, "object": obj, "created": r.created, "model": r.tier, "choices": [],
-            "usage": usage(stats), "gemmactl": extension(r, stats, counters)}
+            "usage": usage(stats), "gemmactl": extension(r, stats, counters, empty)}
 
 
 def error_body(message: str, kind: str, code: str | int | None = None) -> dict:

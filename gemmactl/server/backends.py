@@ -112,6 +112,12 @@ class ServerBackend:
         self.model_text = ModelText(str(template) if template else None, props.get("bos_token", ""),
                                     props.get("eos_token", ""))
         self.info.command = list(self.server.command)
+        refused = self.server.speculation_refused()
+        if refused:
+            # Said wherever the tier is shown (startup line, ps, /metrics), not "on" with 0 drafted.
+            self.info.speculative = f"refused by llama-server: {refused}"
+            log.warning("tiers %s: llama-server turned down speculative decoding (%s); decoding without it",
+                        ", ".join(self.info.tiers), refused)
 
     def _watch(self) -> None:
         while not self._stopping.wait(0.2):
@@ -180,7 +186,9 @@ class ServerSession(PromptedBackend):
         return super().prepare(request)
 
     def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str | Chunk]:
-        if request.whole:
+        # A stop made only of whitespace applies only once the answer has begun (prompt/stops.py),
+        # which llama-server cannot do: such a prompt streams, and the core stops it.
+        if request.whole and all(stop.strip() for stop in prompt.stops):
             yield self._whole(prompt, request)
             return
         # Timings on every event: the core may stop reading before the final one (max_tokens, a stop).
@@ -200,7 +208,7 @@ class ServerSession(PromptedBackend):
         self.final = self.server.post_json("/completion", payload, timeout=WHOLE_ANSWER_TIMEOUT_S + request.max_tokens)
         stopped = self.final.get("stop_type") == "word"
         return Chunk(self.final.get("content", ""), int(self.final.get("tokens_predicted", 0)),
-                     "stop" if stopped else None)
+                     "stop" if stopped else None, self.final.get("stopping_word") or None if stopped else None)
 
     def _payload(self, prompt: PreparedPrompt, request: GenerationRequest) -> dict:
         return {

@@ -171,9 +171,12 @@ class FrontHandler(BaseHTTPRequestHandler):
                 if event.channel == "thinking" and not routed.reasoning:
                     continue
                 text = event.text
-                if routed.kind == "chat" and event.channel == "answer" and not started:
-                    text = text.lstrip()
-                    if not text:
+                if event.channel == "answer" and not started:
+                    if routed.kind == "chat":
+                        text = text.lstrip()
+                    if not text.strip():
+                        if text:
+                            self._event(api.chunk(routed, text=text, channel=event.channel))
                         continue
                     started = True
                 self._event(api.chunk(routed, text=text, channel=event.channel))
@@ -186,7 +189,7 @@ class FrontHandler(BaseHTTPRequestHandler):
         lane.record(stats, counters)
         self._event(api.chunk(routed, finish=api.finish_reason(stats)))
         if routed.include_usage:
-            self._event(api.usage_chunk(routed, stats, counters))
+            self._event(api.usage_chunk(routed, stats, counters, empty=not started))
         self._write_chunk(b"data: [DONE]\n\n")
         self._end_chunked()
 

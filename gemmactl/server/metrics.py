@@ -15,7 +15,11 @@ def health(service) -> dict:
 
 
 def models(service) -> dict:
-    data = []
+    """The tiers, and `auto`: the router picks a tier per request, as `gemmactl run` does."""
+    auto = {"state": "ready" if any(lane.ready for lane in service.lanes.values()) else "unavailable",
+            "description": f"routes each request by its prefix or the heuristic; default tier {service.recipe.default_tier}",
+            "tiers": list(service.lanes)}
+    data = [{"id": "auto", "object": "model", "created": 0, "owned_by": "gemmactl", "gemmactl": auto}]
     for name, lane in service.lanes.items():
         snap = lane.snapshot()
         data.append({"id": name, "object": "model", "created": 0, "owned_by": "gemmactl",

@@ -13,9 +13,11 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from gemmactl.errors import InvalidOptionError, ServerError
 from gemmactl.fileio import atomic_write_text
 from gemmactl.store import Store
 
@@ -85,6 +87,54 @@ def running_servers(store: Store) -> tuple[list[dict], list[dict]]:
         path.unlink(missing_ok=True)
         stale.append(state)
     return live, stale
+
+
+def logs_dir(store: Store) -> Path:
+    return store.home / "logs" / "serve"
+
+
+def find_servers(store: Store, name: str | None) -> list[dict]:
+    """The running servers NAME picks: its pid, its port, or its URL; None picks them all."""
+    live, _ = running_servers(store)
+    if name is None:
+        return live
+    wanted = name.strip().rstrip("/")
+    found = [s for s in live if wanted in (str(s.get("pid")), str(_port(s)), s.get("url", "").rstrip("/"))]
+    if not found:
+        names = ", ".join(f"{s['pid']} ({s['url']})" for s in live) or "none is running"
+        raise InvalidOptionError(f"no running gemmactl server '{name}'; running: {names}",
+                                 hint="Name a server by its pid, port or URL, as `gemmactl ps` shows them.")
+    return found
+
+
+def _port(state: dict) -> int | None:
+    try:
+        return int(state["url"].rsplit(":", 1)[1])
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
+def stop_server(state: dict, timeout: float = 30.0) -> bool:
+    """Ask a server to stop (SIGTERM: it stops its llama-servers and removes its state file); after
+    timeout, kill it. Returns whether it stopped by itself."""
+    pid = state["pid"]
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    except PermissionError as exc:
+        raise ServerError(f"not allowed to stop server {pid}: {exc}", hint="Stop it as the user who started it.") from exc
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.1)
+    log.warning("server %s did not stop within %.0f s; killing it", pid, timeout)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return False
 
 
 def fetch_health(url: str, timeout: float = 2.0) -> dict | None:

@@ -43,6 +43,7 @@ class ServeConfig:
     threads: int | None = None
     request_timeout: float = 600.0  # longest wait for a slot
     require_build: bool = False  # fail instead of falling back to the in-process backend
+    log_path: Path | None = None  # where this server's log goes (`gemmactl logs`)
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ class Service:
             log.info("tiers %s: llama-server pid %s on port %s, %d slots of %d tokens, -fa %s, backend sampling %s, "
                      "placement: %s, speculative: %s (%.1f s)", ",".join(plan.tiers), backend.pid, backend.server.port,
                      plan.parallel, plan.context, plan.flash_attn, "on" if plan.backend_sampling else "off", note,
-                     plan.spec_note, time.perf_counter() - started)
+                     backend.info.speculative, time.perf_counter() - started)
             return backend
         loaded = open_backend(plan.model, context=plan.context, store=self.store, threads=threads)
         for notice in loaded.notices:
@@ -253,6 +254,7 @@ class Service:
         return {
             "pid": os.getpid(), "url": self.url, "started": self.started, "recipe": self.recipe.name,
             "recipe_path": self.recipe.path, "api_key": bool(self.config.api_key),
+            "log": str(self.config.log_path) if self.config.log_path else None,
             "peers": [p.url for p in self.peers.peers], "tiers": tiers,
         }
 

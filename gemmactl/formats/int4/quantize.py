@@ -67,21 +67,23 @@ def quantize_checkpoint(
 
         importance = collect_importance(checkpoint.path, options.calibration)
     by_name = {tensor.name: tensor for tensor in checkpoint.tensors}
-    total = sum(_source_bytes(by_name[r.name], r) for r in layout.records)
-    done = 0
+    source_total = sum(_source_bytes(by_name[r.name], r) for r in layout.records)
+    # Progress counts work, not bytes: an int4 group search costs hundreds of times an int8 row
+    # per weight, so a byte count said "5 s left" at 63% of a model whose embedding tables come first.
+    total = sum(_work(r, options.search) for r in layout.records)
     report = progress or (lambda done, total: None)
-    report(0, total)
     writer = Int4ShardWriter(out_dir, layout)
     reader = TensorSource()
     written = reused = 0
     try:
+        # Finished shards count as done from the start: the work left is what the rate measures.
+        done = sum(_work(r, options.search) for name in reusable for r in layout.shard_records(name))
+        report(done, total)
         for name, _size in layout.shards:
             records = layout.shard_records(name)
             if name in reusable:
                 writer.adopt_shard(name, shard_checksums(out_dir / name, records))
                 reused += 1
-                done += sum(_source_bytes(by_name[r.name], r) for r in records)
-                report(done, total)
                 continue
             writer.open_shard(name)
             for record in records:
@@ -90,7 +92,7 @@ def quantize_checkpoint(
                     reader, by_name[record.name], record, writer, search=options.search, importance=importance.get(record.name)
                 )
                 writer.end_record()
-                done += _source_bytes(by_name[record.name], record)
+                done += _work(record, options.search)
                 report(done, total)
             writer.close_shard()
             written += 1
@@ -102,7 +104,7 @@ def quantize_checkpoint(
     tokenizer = copy_tokenizer(checkpoint.path, out_dir)
     index = build_index(checkpoint, layout, source=source, revision=revision, tokenizer=tokenizer)
     writer.finish(index)
-    return QuantizeResult(out_dir, index, written, reused, time.perf_counter() - start, total)
+    return QuantizeResult(out_dir, index, written, reused, time.perf_counter() - start, source_total)
 
 
 def build_index(checkpoint: Checkpoint, layout: Layout, *, source, revision, tokenizer) -> dict:
@@ -188,6 +190,17 @@ def shard_checksums(path: Path, records: list[TensorRecord]) -> dict[str, str]:
     """Checksums of the records of a finished shard, read from the file."""
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         return {record.key: crc32_of(mapped, record.offset, record.nbytes) for record in records}
+
+
+# Relative encoding cost per weight, measured on a 4096×640 block on the CPU: int8 rows 7.6 ms,
+# int4 plain 33 ms, int4 with the least-squares group search 1.8 s; a raw copy costs about nothing.
+_COST = {"raw": 0.1, "int8": 1.0, "int4": 4.0, "int4-search": 240.0}
+
+
+def _work(record: TensorRecord, search: bool) -> float:
+    """How much encoding a record takes, in int8-weight units (what progress counts)."""
+    kind = "int4-search" if record.scheme == "int4" and search else record.scheme
+    return record.numel * _COST.get(kind, 1.0)
 
 
 def _source_bytes(tensor: SourceTensor, record: TensorRecord) -> int:
