@@ -37,12 +37,13 @@ PROSE = ("Once upon a time, in a small village by the sea, there lived",
          "The history of the city of Paris begins")
 
 
-def stream(url: str, path: str, body: dict) -> dict:
+def stream(url: str, path: str, body: dict, key: str | None = None) -> dict:
     """One streamed request: TTFT, wall, tokens, text, and the gemmactl/llama-server counters."""
     parts = urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=900)
     start = time.perf_counter()
-    connection.request("POST", path, json.dumps(dict(body, stream=True)), {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    connection.request("POST", path, json.dumps(dict(body, stream=True)), headers)
     response = connection.getresponse()
     assert response.status == 200, response.read()[:300]
     first = last = None
@@ -194,7 +195,7 @@ def overhead(url: str, service, repeat: int, max_tokens: int) -> dict:
             tokens = backend.server.post_json("/tokenize", {"content": prompt, "add_special": True})["tokens"]
             raw = stream(direct_url, "/completion", {"prompt": tokens, "n_predict": max_tokens,
                                                      **backend.server.sampling_fields(0, 0, 1.0, 0.0, 1.0),
-                                                     "cache_prompt": True})
+                                                     "cache_prompt": True}, key=backend.server.api_key)
             if r == 0:
                 continue  # the first pass fills the prompt cache for both sides
             # Greedy text can still differ in a near tie: a cold prefill batch rounds unlike a warm one.

@@ -113,12 +113,13 @@ CONFIGS = {
 # -- requests -------------------------------------------------------------------------------------
 
 
-def post(port: int, path: str, body: dict, stream: bool, timeout: float = 900) -> tuple[dict, float]:
+def post(port: int, path: str, body: dict, stream: bool, timeout: float = 900, key: str | None = None) -> tuple[dict, float]:
     """POST body to 127.0.0.1:port; returns (the JSON answer or the last event carrying counters, seconds)."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     start = time.perf_counter()
     try:
-        connection.request("POST", path, json.dumps(dict(body, stream=stream)), {"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        connection.request("POST", path, json.dumps(dict(body, stream=stream)), headers)
         response = connection.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status} from {path}: {response.read()[:300]!r}")
@@ -148,7 +149,7 @@ def direct_request(server, prompt: str, max_tokens: int, stream: bool, filters: 
     """
     sampling = {"temperature": 0} if filters else server.sampling_fields(0, 0, 1.0, 0.0, 1.0)
     body = {"prompt": prompt, "n_predict": max_tokens, "seed": 0, "ignore_eos": True, "cache_prompt": True, **sampling}
-    data, seconds = post(server.port, "/completion", body, stream)
+    data, seconds = post(server.port, "/completion", body, stream, key=server.api_key)
     return {"tokens": int(data.get("tokens_predicted", 0)), "latency_s": seconds,
             "engine_tok_s": data.get("timings", {}).get("predicted_per_second")}
 

@@ -103,6 +103,10 @@ class HubRevisionNotFoundError(UserInputError):
     default_hint = "Pass a branch, tag or commit sha that exists in the repo (default: main)."
 
 
+class NotPulledError(UserInputError):
+    """A command that works on an existing pull (--verify), for a repo never pulled here."""
+
+
 class NoFilesSelectedError(UserInputError):
     default_hint = "Run with --dry-run to see what would be taken; pick files with --include/--exclude or --quant."
 
@@ -202,3 +206,9 @@ class PortInUseError(GemmactlError):
     """The address `gemmactl serve` should listen on is taken."""
 
     default_hint = "Pass another --port (0 picks a free one), or stop the server holding it (`gemmactl ps` lists gemmactl's)."
+
+
+class ServeAddressError(UserInputError):
+    """An address `gemmactl serve` cannot listen on (not one of this machine's, or not allowed)."""
+
+    default_hint = "Pass --host 127.0.0.1 (this machine only), 0.0.0.0 (every interface) or one of this machine's addresses."

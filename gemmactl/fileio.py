@@ -43,20 +43,30 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     other writer uses, and it is removed whatever goes wrong, a full disk included.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _about(exc, path) from None
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):
+            raise _about(exc, path) from None
         raise
     fsync_dir(path.parent)
+
+
+def _about(exc: OSError, path: Path) -> OSError:
+    """The same error, naming the file the caller asked for rather than its temporary twin."""
+    return type(exc)(exc.errno, exc.strerror or str(exc), str(path))
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -2,7 +2,8 @@
 
 Every unit is binary, the way memory is sold and reported (a "4 GB" card shows 4096 MiB):
 K = KB = KiB = 1024, M = MB = MiB = 1024², G = GB = GiB = 1024³, T = TB = TiB = 1024⁴, any case.
-So `4G`, `4GB` and `4GiB` are all 4,294,967,296 bytes. A bare number is a count of bytes.
+So `4G`, `4GB` and `4GiB` are all 4,294,967,296 bytes. A bare whole number of at least 1024 is a
+count of bytes; a smaller or fractional one is refused (it almost always meant a unit).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ def parse_size(text: str, *, option: str = "size") -> int:
     value = float(number) * 1024 ** _UNITS[unit.upper()]
     if not math.isfinite(value) or value > MAX_BYTES:
         raise InvalidOptionError(f"{option} '{raw}' is too large", hint="Give the memory of a real machine, e.g. 4G.")
+    if not unit and not raw.strip().upper().endswith("B") and value > 0 and (value != int(value) or value < 1024):
+        # A bare number counts bytes; "0.5" or "4" meant gibibytes far more often than bytes.
+        raise InvalidOptionError(
+            f"{option} '{raw}' has no unit, and a bare number counts bytes",
+            hint=f"Write the unit, e.g. {option} {number}G; a size below 1K needs a B, e.g. 512B.",
+        )
     if value < 1:
         raise InvalidOptionError(f"{option} must be more than zero, got '{raw}'", hint="Give a size such as 4G.")
     return int(value)

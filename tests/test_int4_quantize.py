@@ -112,6 +112,7 @@ def test_disk_full_mid_shard_leaves_no_index_and_no_partial_file(checkpoint, run
     result = invoke(runner, ["quantize", str(source), "--int4-stream", "--out", str(out), "--shard-size", "1MiB"])
     assert result.exit_code == 1
     assert "no space left on device" in _one_error_line(result.stderr)
+    assert str(out) in _one_error_line(result.stderr) and "GEMMACTL_HOME" not in result.stderr  # the artifact's disk
     assert not (out / "index.json").exists() and not list(out.glob("*.partial"))
     assert len(list(out.glob("*.i4s"))) == 1
 

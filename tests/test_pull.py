@@ -519,3 +519,11 @@ def test_disk_full_and_timeouts_become_one_line_errors():
     slow = _translate(TimeoutError("timed out"), REPO, "main", "http://hub", Path("/cache"))
     assert isinstance(slow, HubUnreachableError) and slow.message == "the connection to the hub at http://hub broke: timed out"
     assert _translate(ValueError("a bug"), REPO, "main", "http://hub", Path("/cache")) is None
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_verify_of_a_repo_never_pulled_says_so_without_the_network(runner, hub, offline):
+    args = [REPO, "--verify"] + (["--offline"] if offline else [])
+    line = assert_one_line_error(pull(runner, *args), 2)
+    assert "never pulled here" in line and f"gemmactl pull {REPO}" in line
+    assert hub.requests == []

@@ -449,9 +449,14 @@ def test_cheap_greedy_fields_give_llama_servers_own_greedy_text(serve_home, embe
 
 
 def test_non_streamed_answer_equals_the_streamed_one_with_stops_and_lengths(server):
-    """Non-streamed requests are made in one llama-server call: same text, counts and finish reasons."""
+    """Non-streamed requests are made in one llama-server call: same text, counts and finish reasons.
+
+    The prompt is one whose greedy answer has wide margins: llama-server's prompt cache evaluates
+    a reused prompt's last token alone, and its logits may differ in the last bits from the
+    batched prompt's (llama.cpp documents this for cache_prompt), which can flip a close call.
+    """
     api = client(server)
-    prompt = "The history of the printing press"
+    prompt = "Counting: 1, 2, 3, 4, 5, 6, 7, 8,"
     free = api.completions.create(model="fast", prompt=prompt, max_tokens=40).choices[0].text
     words = free.split(" ")
     middle = " " + next(w for w in words[len(words) // 2:] if w.strip())  # a word the answer reaches

@@ -103,6 +103,9 @@ def _read_message(interactive: bool) -> str | None:
         line = input(prompt) if interactive else sys.stdin.readline()
     except EOFError:
         return None
+    except UnicodeDecodeError as exc:
+        warn(f"that line is not UTF-8 text ({exc.reason}); it was skipped")
+        return ""
     if not interactive and line == "":
         return None
     line = line.rstrip("\n")

@@ -19,12 +19,29 @@ def _usage(exc: click.UsageError) -> tuple[str, str | None, int]:
 
 
 def _os_error(exc: OSError) -> tuple[str, str | None, int]:
+    where = str(exc.filename) if exc.filename else None
+    # Advice about the store only for files in the store; otherwise about the file that failed.
+    elsewhere = "write it somewhere else" if where and not _in_store(where) else "set GEMMACTL_HOME to a bigger disk"
     if exc.errno == errno.ENOSPC:
-        return "no space left on device", "Free some disk space, or set GEMMACTL_HOME to a bigger disk.", 1
+        return (f"no space left on device for {where}" if where else "no space left on device",
+                f"Free some disk space there, or {elsewhere}.", 1)
     if isinstance(exc, PermissionError):
-        where = exc.filename or "a file"
-        return f"permission denied: {where}", "Check its permissions, or set GEMMACTL_HOME to a writable folder.", 1
-    return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""), DEBUG_HINT, 1
+        fix = "set GEMMACTL_HOME to a writable folder" if not where or _in_store(where) else "pick a writable place"
+        return f"permission denied: {where or 'a file'}", f"Check its permissions, or {fix}.", 1
+    if exc.errno == errno.ENOENT and where:
+        return f"no such file or folder: {where}", "Check the path (its folder must exist).", 2
+    return f"{exc.strerror or exc}" + (f": {where}" if where else ""), DEBUG_HINT, 1
+
+
+def _in_store(path: str) -> bool:
+    from pathlib import Path
+
+    from gemmactl.store.manifest import home_dir
+
+    try:
+        return Path(path).absolute().is_relative_to(home_dir().absolute())
+    except (OSError, ValueError):
+        return False
 
 
 # Order matters: the first matching type wins.

@@ -41,6 +41,13 @@ def plan(model, vram, ram, context, parallel, backend, quant, hardware, remeasur
 
     if json_mode and out:
         raise click.UsageError("pass either --json or --out, not both")
+    if out:
+        from pathlib import Path
+
+        folder = Path(out).expanduser().absolute().parent
+        if not folder.is_dir():
+            raise click.BadParameter(f"the folder {folder} does not exist; create it first or pick another",
+                                     param_hint="--out")
     result = build_plan(
         model, vram=vram, ram=ram, context=context, parallel=parallel, backend=backend, quant=quant,
         hardware=hardware, remeasure=remeasure,

@@ -110,7 +110,8 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
 def _read_stdin() -> str:
     if sys.stdin is None or sys.stdin.isatty():
         return ""
-    return sys.stdin.read()
+    # Bytes that are not UTF-8 stay visible as escapes, for the request's one text rule to name.
+    return sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
 
 
 def _stats_text(spec, model_path, s, backend) -> str:

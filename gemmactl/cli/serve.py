@@ -27,11 +27,13 @@ READY_TIMEOUT_S = 900  # loading big models and starting every tier can take min
 @click.option("--api-key", metavar="KEY", envvar="GEMMACTL_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* and /metrics (or set GEMMACTL_API_KEY).")
 @click.option("--peer", "peers", multiple=True, metavar="URL", help="Another gemmactl server that takes requests when a local tier is down or saturated; repeatable.")
 @click.option("--queue", default=512, show_default=True, type=click.IntRange(min=0), metavar="N", help="Requests that may wait per tier; past it, 503 with Retry-After (or a peer).")
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(min=1), metavar="N",
+              help="Open client connections at most; past it, 503 at once (a request must arrive within 30 s).")
 @click.option("--no-speculative", is_flag=True, help="Turn off every tier's speculative decoding.")
 @click.option("--threads", type=click.IntRange(min=1), metavar="N", help="CPU threads per backend (default: every core).")
 @click.option("--detach", is_flag=True, help="Start the server in the background, wait until it is ready, print its URL and return.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the server's state as one JSON line once it is ready.")
-def serve(recipe, host, port, api_key, peers, queue, no_speculative, threads, detach, json_mode):
+def serve(recipe, host, port, api_key, peers, queue, max_connections, no_speculative, threads, detach, json_mode):
     """Serve every tier of a recipe behind one OpenAI-compatible endpoint.
 
     Each GGUF tier gets a persistent llama-server from `gemmactl build` (prompt cache on,
@@ -54,10 +56,11 @@ def serve(recipe, host, port, api_key, peers, queue, no_speculative, threads, de
     from gemmactl.server.service import ServeConfig, Service
     from gemmactl.store import Store
 
+    _check_host(host)
     resolved = resolve_recipe(recipe)  # a bad recipe fails here, before anything starts
     store = Store()
     if detach:
-        args = ["--host", host, "--port", str(port), "--queue", str(queue)]
+        args = ["--host", host, "--port", str(port), "--queue", str(queue), "--max-connections", str(max_connections)]
         args += (["--recipe", recipe] if recipe else []) + [a for peer in peers for a in ("--peer", peer)]
         args += (["--no-speculative"] if no_speculative else []) + (["--threads", str(threads)] if threads else [])
         state = _detach(store, args, api_key)
@@ -77,7 +80,7 @@ def serve(recipe, host, port, api_key, peers, queue, no_speculative, threads, de
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", handlers=handlers)
     config = ServeConfig(
         recipe=resolved, host=host, port=port, api_key=api_key, peers=list(peers), queue=queue,
-        speculative=not no_speculative, threads=threads, log_path=log_path,
+        speculative=not no_speculative, threads=threads, log_path=log_path, max_connections=max_connections,
     )
     service = Service(config, store)
     stopping = []
@@ -132,3 +135,14 @@ def _detach(store, args: list[str], api_key: str | None) -> dict:
         time.sleep(0.1)
     child.terminate()
     raise ServerError(f"the server was not ready after {READY_TIMEOUT_S} s", hint=f"See its log: {log_path}")
+
+
+def _check_host(host: str) -> None:
+    """Refuse an address that is no address at all (256.1.1.1, a typo'd name) before anything starts."""
+    import socket
+
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise click.BadParameter(f"{host!r} is not an address or host name this machine can resolve ({exc})",
+                                 param_hint="--host") from None

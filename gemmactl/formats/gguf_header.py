@@ -153,13 +153,21 @@ def _parse(path: Path, data, arrays: set[str], with_tensors: bool) -> GGUFHeader
             metadata[key] = cursor.value(cursor.take("<I"))
         cursor.keep_arrays = False
         tensors = []
+        data_end = 0  # where the last tensor's bytes end, from the start of the data section
         for _ in range(n_tensors if with_tensors else 0):
             name = cursor.string()
             dims = tuple(cursor.take("<Q") for _ in range(cursor.take("<I")))
             type_id = cursor.take("<I")
-            cursor.take("<Q")  # offset into the data section
+            offset = cursor.take("<Q")  # into the data section
             name_of = GGML_TYPES.get(type_id, (str(type_id),))[0]
             tensors.append(GGUFTensor(name, dims, name_of, tensor_nbytes(type_id, dims, name)))
+            data_end = max(data_end, offset + tensors[-1].nbytes)
     except struct.error as exc:
         raise NotAGGUFError(f"{path} ends inside its header (truncated GGUF)") from exc
+    if with_tensors and tensors:
+        alignment = int(metadata.get("general.alignment") or 32)
+        needed = -(-cursor.pos // alignment) * alignment + data_end
+        if needed > len(data):
+            raise NotAGGUFError(f"{path} is truncated: its tensors need {needed:,} bytes, the file has {len(data):,}",
+                                hint="The file is incomplete (an interrupted download or copy): fetch or make it again.")
     return GGUFHeader(path, metadata, tuple(tensors))

@@ -29,6 +29,7 @@ from gemmactl.errors import (
     IncompleteSnapshotError,
     IntegrityError,
     InvalidOptionError,
+    NotPulledError,
 )
 from gemmactl.hub.cache import (
     CheckedBlobs,
@@ -140,6 +141,10 @@ def plan_pull(
     if offline or prefer_cache:
         commit = cache.read_ref(revision)
         listing = load_listing(store.home, repo_id, commit) if commit else None
+        if listing is None and prefer_cache:  # --verify downloads nothing, so it needs what a pull recorded
+            raise NotPulledError(f"{repo_id}@{revision} was never pulled here, so there is nothing to verify",
+                                 hint=f"Pull it first: gemmactl pull {repo_id}" + (f" --revision {revision}"
+                                                                                    if revision != DEFAULT_REVISION else ""))
         if listing is None and offline:
             raise IncompleteSnapshotError(_not_cached_message(cache, repo_id, revision, commit))
     from_cache = listing is not None

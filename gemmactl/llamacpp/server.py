@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -88,6 +90,7 @@ class LlamaServer:
         port: int | None = None,
         label: str = "",
         flash_attn: str = "off",
+        api_key: str | None = None,
     ):
         if flash_attn not in FLASH_ATTN_MODES:
             raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}, got {flash_attn!r}")
@@ -109,6 +112,9 @@ class LlamaServer:
         self.log_path = log_dir / f"{name}.log"
         self.process: subprocess.Popen | None = None
         self.load_s = 0.0
+        # A key only this client knows, so no other local user can use the server behind gemmactl's
+        # back; it goes in the environment, which other users cannot read (the command line they can).
+        self.api_key = api_key if api_key is not None else secrets.token_urlsafe(24)
 
     @property
     def samples_on_backend(self) -> bool:
@@ -132,7 +138,7 @@ class LlamaServer:
             try:
                 self.process = subprocess.Popen(
                     self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True,
+                    start_new_session=True, env=dict(os.environ, LLAMA_API_KEY=self.api_key) if self.api_key else None,
                 )
             except OSError as exc:
                 raise ServerError(f"llama-server could not start: {exc}", hint=f"See its log: {self.log_path}") from exc
@@ -228,7 +234,7 @@ class LlamaServer:
         try:
             try:
                 connection.request("POST", "/completion", json.dumps(dict(payload, stream=True)),
-                                   {"Content-Type": "application/json"})
+                                   self._headers({"Content-Type": "application/json"}))
                 response = connection.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 raise ServerError(f"llama-server did not answer: {exc}", hint=f"See its log: {self.log_path}") from exc
@@ -265,7 +271,7 @@ class LlamaServer:
         connection = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
         try:
             body = json.dumps(payload) if payload is not None else None
-            connection.request(method, path, body, {"Content-Type": "application/json"} if body else {})
+            connection.request(method, path, body, self._headers({"Content-Type": "application/json"} if body else {}))
             response = connection.getresponse()
             data = response.read()
             if response.status != 200:
@@ -276,6 +282,9 @@ class LlamaServer:
             raise ServerError(f"llama-server {path} failed: {exc}", hint=f"See its log: {self.log_path}") from exc
         finally:
             connection.close()
+
+    def _headers(self, headers: dict) -> dict:
+        return {**headers, "Authorization": f"Bearer {self.api_key}"} if self.api_key else headers
 
     def _healthy(self) -> bool:
         connection = http.client.HTTPConnection(HOST, self.port, timeout=2)

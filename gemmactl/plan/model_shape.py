@@ -67,8 +67,33 @@ def _layer_types(text: dict, n_layers: int, default_pattern: int) -> list[bool]:
     return [bool((i + 1) % pattern) for i in range(n_layers)]
 
 
+# Config fields read as whole numbers (a missing one takes its default).
+_WHOLE_NUMBERS = (
+    "num_hidden_layers", "hidden_size", "head_dim", "num_key_value_heads", "global_head_dim",
+    "num_global_key_value_heads", "num_kv_shared_layers", "hidden_size_per_layer_input", "vocab_size",
+    "num_attention_heads", "intermediate_size", "sliding_window", "max_position_embeddings", "num_experts",
+    "top_k_experts", "moe_intermediate_size", "vocab_size_per_layer_input",
+)
+
+
 def shape_from_config(config: dict) -> ModelShape:
+    """Shape facts from a config.json (a Gemma 3/4 text config, or one holding a text_config)."""
     arch, text = _text_config(config)
+    for key in _WHOLE_NUMBERS:
+        value = text.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise UnsupportedModelError(f"config.json: {key} must be a whole number, got {value!r}",
+                                        hint="Fix the config, or use the checkpoint's original config.json.")
+    if "hidden_size" not in text:
+        raise UnsupportedModelError("config.json has no hidden_size", hint="Use the checkpoint's original config.json.")
+    try:
+        return _shape(arch, text)
+    except (TypeError, ValueError, AttributeError) as exc:  # a field of an unexpected shape
+        raise UnsupportedModelError(f"config.json cannot be read as a {arch} config: {exc}",
+                                    hint="Use the checkpoint's original config.json.") from exc
+
+
+def _shape(arch: str, text: dict) -> ModelShape:
     n_layers = int(text.get("num_hidden_layers", 0))
     if n_layers <= 0:
         raise UnsupportedModelError("the config has no num_hidden_layers")

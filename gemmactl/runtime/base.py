@@ -63,6 +63,13 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if not self.prompt.strip():
             raise EmptyPromptError("the prompt is empty")
+        texts = [("the prompt", self.prompt), ("the system text", self.system or "")]
+        texts += [(f"message {i + 1}", str(m.get("content") or "")) for i, m in enumerate(self.messages or ())]
+        for what, text in texts:
+            problem = text_problem(text)
+            if problem:
+                raise InvalidOptionError(f"{what} is not valid text: {problem}",
+                                         hint="Send UTF-8 text (a file of another encoding needs converting first).")
         checks = (
             ("max_tokens", self.max_tokens >= 1, "at least 1"),
             ("temperature", _finite(self.temperature) and self.temperature >= 0, "a finite number, 0 or more"),
@@ -84,6 +91,23 @@ class GenerationRequest:
         """A request with a recipe tier's sampling settings, changed where the caller says (None keeps them)."""
         values = {**asdict(sampling), **{key: value for key, value in changes.items() if value is not None}}
         return cls(prompt=prompt, **values)
+
+
+def text_problem(text: str) -> str | None:
+    """Why text cannot go to a model, or None: the one rule for every way text comes in.
+
+    Bytes that were not UTF-8 (decoded with surrogateescape, as Python does for stdin and
+    arguments) and lone surrogates (which JSON can carry) have no UTF-8 form; NUL ends C strings.
+    """
+    for index, char in enumerate(text):
+        code = ord(char)
+        if 0xDC80 <= code <= 0xDCFF:
+            return f"byte 0x{code - 0xDC00:02x} at character {index} is not UTF-8"
+        if 0xD800 <= code <= 0xDFFF:
+            return f"a lone surrogate (U+{code:04X}) at character {index}"
+        if code == 0:
+            return f"a NUL character at character {index}"
+    return None
 
 
 def _finite(value: float) -> bool:

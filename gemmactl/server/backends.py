@@ -28,6 +28,10 @@ RESTART_DELAYS = (0.0, 1.0, 2.0, 5.0, 10.0)  # seconds before each restart attem
 WHOLE_ANSWER_TIMEOUT_S = 300
 
 
+class BackendDown(ServerError):
+    """The tier's llama-server is not running right now (it died; the watchdog restarts it)."""
+
+
 @dataclass
 class BackendInfo:
     """What `ps`, /health and /metrics say about a backend."""
@@ -181,9 +185,17 @@ class ServerSession(PromptedBackend):
                                                    "parse_special": special})["tokens"]
 
     def prepare(self, request: GenerationRequest) -> PreparedPrompt:
-        if self.backend.state != READY or not self.server.alive():
-            raise ServerError(f"the backend of tier {'/'.join(self.backend.info.tiers)} is {self.backend.state}")
-        return super().prepare(request)
+        tiers = "/".join(self.backend.info.tiers)
+        if self.backend.state != READY:
+            raise BackendDown(f"the backend of tier {tiers} is {self.backend.state}")
+        if not self.server.alive():  # died since the watchdog last looked: it restarts it shortly
+            raise BackendDown(f"the llama-server of tier {tiers} stopped and is restarting")
+        try:
+            return super().prepare(request)
+        except ServerError:
+            if not self.server.alive():
+                raise BackendDown(f"the llama-server of tier {tiers} stopped and is restarting") from None
+            raise
 
     def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str | Chunk]:
         # A stop made only of whitespace applies only once the answer has begun (prompt/stops.py),

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import hmac
 import http.client
+import io
 import json
 import logging
 import socket
+import sys
+import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
@@ -19,6 +23,7 @@ from gemmactl.errors import BackendError, GemmactlError, ServerError, UnknownTie
 from gemmactl.generate import stream_generate
 from gemmactl.runtime.base import GenerationStats
 from gemmactl.server import api
+from gemmactl.server.backends import BackendDown
 from gemmactl.server.lanes import Saturated, Unavailable
 from gemmactl.server.metrics import health, metrics_json, metrics_text, models
 from gemmactl.server.peers import FORWARDED_HEADER
@@ -28,6 +33,10 @@ log = logging.getLogger("gemmactl.serve")
 RETRY_AFTER_S = 2
 MAX_BODY = 16 * 2**20
 PEER_TIMEOUT_S = 600
+READ_TIMEOUT_S = 30.0  # to read one whole request (line, headers, body), and the longest idle keep-alive
+WRITE_TIMEOUT_S = 60.0  # for one write to a client that stopped reading
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 2\r\n"
+         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s")
 
 
 class FrontServer(ThreadingHTTPServer):
@@ -37,7 +46,71 @@ class FrontServer(ThreadingHTTPServer):
 
     def __init__(self, address, handler, service):
         self.service = service
+        self.max_connections = service.config.max_connections
+        self.open_connections = 0
+        self._count = threading.Lock()
         super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        """A thread per connection, up to max_connections; past that, a 503 at once and no thread."""
+        with self._count:
+            full = self.open_connections >= self.max_connections
+            if not full:
+                self.open_connections += 1
+        if full:
+            body = json.dumps(api.error_body(f"too many open connections ({self.max_connections})",
+                                             "overloaded_error", 503)).encode()
+            try:
+                request.settimeout(1.0)
+                request.sendall(_BUSY % (len(body), body))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._count:
+            self.open_connections -= 1
+
+    def handle_error(self, request, client_address):
+        """A client that went away or stalled is one line in the log, not a traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError, socket.timeout, _ClientGone)):
+            log.info("connection from %s ended early: %s", client_address[0], exc or type(exc).__name__)
+        else:
+            log.exception("request from %s failed", client_address[0])
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The connection's reading side with one deadline for a whole request (slow senders included)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.deadline = time.monotonic() + READ_TIMEOUT_S
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the request did not arrive within {READ_TIMEOUT_S:.0f} s")
+        self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(buffer)
+        finally:
+            self.sock.settimeout(WRITE_TIMEOUT_S)
 
 
 def make_http_server(service) -> FrontServer:
@@ -51,6 +124,17 @@ class _ClientGone(Exception):
 class FrontHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "gemmactl"
+    timeout = WRITE_TIMEOUT_S
+
+    def setup(self):
+        super().setup()
+        self._reader = _DeadlineReader(self.connection)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self):
+        # Each request (and the wait for it on a kept-alive connection) gets READ_TIMEOUT_S to arrive.
+        self._reader.deadline = time.monotonic() + READ_TIMEOUT_S
+        super().handle_one_request()
 
     @property
     def service(self):
@@ -105,7 +189,9 @@ class FrontHandler(BaseHTTPRequestHandler):
         try:
             with lane.slot(self.service.config.request_timeout):
                 self._generate(routed, lane)
-        except (Saturated, Unavailable) as exc:
+        except (Saturated, Unavailable, BackendDown) as exc:
+            if isinstance(exc, BackendDown):
+                lane.count("rejected")
             if not self.headers.get(FORWARDED_HEADER) and self._forward(routed.tier, path, raw, lane):
                 return
             self._json(503, api.error_body(exc.message, "overloaded_error" if isinstance(exc, Saturated)
@@ -132,6 +218,8 @@ class FrontHandler(BaseHTTPRequestHandler):
             return next(events)
         except StopIteration:
             return None
+        except BackendDown:
+            raise  # nothing sent yet: answered 503 with Retry-After (or by a peer) like a down tier
         except (BackendError, ServerError) as exc:
             lane.count("errors")
             self._json(502, api.error_body(exc.message, "backend_error", 502))

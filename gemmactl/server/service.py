@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gemmactl.errors import GemmactlError, NoLlamaBuildError, PortInUseError
+from gemmactl.errors import GemmactlError, NoLlamaBuildError, PortInUseError, ServeAddressError
 from gemmactl.recipes import Recipe
 from gemmactl.store.refs import ResolvedModel
 from gemmactl.server.backends import InProcessBackend, ServerBackend
@@ -28,6 +28,7 @@ log = logging.getLogger("gemmactl.serve")
 
 DEFAULT_QUEUE = 512
 DEFAULT_PORT = 8080
+DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_SLOTS = 4  # a `parallel: auto` tier whose model the planner cannot read
 
 
@@ -44,6 +45,7 @@ class ServeConfig:
     request_timeout: float = 600.0  # longest wait for a slot
     require_build: bool = False  # fail instead of falling back to the in-process backend
     log_path: Path | None = None  # where this server's log goes (`gemmactl logs`)
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open client connections; past it, 503 at once
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,10 @@ class Service:
             try:
                 self.httpd = make_http_server(self)
             except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
-                    raise
-                raise PortInUseError(f"{self.config.host}:{self.config.port} is already in use") from None
+                if exc.errno == errno.EADDRINUSE:
+                    raise PortInUseError(f"{self.config.host}:{self.config.port} is already in use") from None
+                raise ServeAddressError(f"cannot listen on {self.config.host}:{self.config.port}: "
+                                        f"{exc.strerror or exc}") from None
             self._start_backends()
             self.peers.start()
             self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -96,8 +97,10 @@ def quantize_checkpoint(
                 report(done, total)
             writer.close_shard()
             written += 1
-    except BaseException:
+    except BaseException as exc:
         writer.abort()
+        if isinstance(exc, OSError) and not exc.filename and exc.errno in _WRITE_ERRNOS:  # name what could not be written
+            raise type(exc)(exc.errno, exc.strerror or str(exc), str(out_dir)) from exc
         raise
     finally:
         reader.close()
@@ -191,6 +194,8 @@ def shard_checksums(path: Path, records: list[TensorRecord]) -> dict[str, str]:
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         return {record.key: crc32_of(mapped, record.offset, record.nbytes) for record in records}
 
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 # Relative encoding cost per weight, measured on a 4096×640 block on the CPU: int8 rows 7.6 ms,
 # int4 plain 33 ms, int4 with the least-squares group search 1.8 s; a raw copy costs about nothing.
