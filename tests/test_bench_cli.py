@@ -274,3 +274,28 @@ def test_server_that_fails_to_start_is_exit_1_naming_its_log(runner, isolated_ho
 def test_context_too_small_for_the_prompts_is_exit_2_with_the_numbers(runner, model_home):
     result = invoke(runner, ["bench", "--prompts", "long-prefix", "--context", "512", "--max-tokens", "8"])
     one_line_error(result, 2, "needs a context of", "--context is 512")
+
+
+@pytest.mark.real_model
+def test_bench_runs_the_engine_beside_llama_server_on_its_gguf(runner, built_home, embedded_gguf, gemma3_hf_checkpoint,
+                                                              tmp_path):
+    """--model an int4-stream artifact, --gguf the same model as GGUF: the engine and llama-server side by side."""
+    from gemmactl.formats.int4.layout import QuantizeOptions
+    from gemmactl.formats.int4.quantize import quantize_checkpoint
+
+    artifact = tmp_path / "art"
+    quantize_checkpoint(gemma3_hf_checkpoint, artifact, QuantizeOptions(group_size=32))
+    data = bench_json(runner, ["--model", str(artifact), "--gguf", str(embedded_gguf), "--prompts", "short",
+                               "--max-tokens", "8", "--repeat", "1", "--compare", "llama-server"])
+    assert data["manifest"]["settings"]["backend"] == "int4"
+    assert data["targets"]["gemmactl"]["backend"] == "int4"
+    assert str(embedded_gguf) in data["targets"]["llama-server"]["command"]
+    overall = next(c for c in data["comparisons"] if c["prompt_set"] == "all")
+    assert overall["target"] == "llama-server" and overall["pairs"] == 2
+    assert all(row["generated_tokens"] > 0 for row in data["runs"])
+
+
+@pytest.mark.real_model
+def test_bench_gguf_beside_a_gguf_model_is_refused(runner, built_home, embedded_gguf):
+    result = invoke(runner, ["bench", "--model", str(embedded_gguf), "--gguf", str(embedded_gguf)])
+    one_line_error(result, 2, "--gguf", "already")

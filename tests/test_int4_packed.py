@@ -82,6 +82,8 @@ def test_packed_model_keeps_weights_packed_and_lookup_tables_mapped(tiny_gemma4,
 
 @pytest.mark.real_model
 def test_gemma3_270m_packed_answers_as_the_dense_backend(gemma3_hf_checkpoint, runner, isolated_home):
+    """The transformers path (GEMMACTL_INT4_ENGINE=off) with packed and dense weights, and the
+    engine the int4 backend now is: one greedy answer."""
     import json
 
     result = invoke(runner, ["quantize", str(gemma3_hf_checkpoint), "--int4-stream", "--json"])
@@ -89,11 +91,13 @@ def test_gemma3_270m_packed_answers_as_the_dense_backend(gemma3_hf_checkpoint, r
     name = json.loads(result.stdout)["artifact"]["name"]
     question = ["run", "--model", name, "--temperature", "0", "--max-tokens", "8",
                 "Question: What is the capital of France?\nAnswer:"]
-    packed = run_gemmactl(question, env={"GEMMACTL_INT4_WEIGHTS": "packed"})
-    dense = run_gemmactl(question, env={"GEMMACTL_INT4_WEIGHTS": "dense"})
-    assert packed.returncode == 0 and dense.returncode == 0, packed.stderr + dense.stderr
+    reference = {"GEMMACTL_INT4_ENGINE": "off"}
+    packed = run_gemmactl(question, env=reference | {"GEMMACTL_INT4_WEIGHTS": "packed"})
+    dense = run_gemmactl(question, env=reference | {"GEMMACTL_INT4_WEIGHTS": "dense"})
+    engine = run_gemmactl(question)
+    assert packed.returncode == dense.returncode == engine.returncode == 0, packed.stderr + dense.stderr + engine.stderr
     assert "Paris" in packed.stdout
-    assert packed.stdout == dense.stdout
-    bad = run_gemmactl(question, env={"GEMMACTL_INT4_WEIGHTS": "sparse"})
+    assert packed.stdout == dense.stdout == engine.stdout
+    bad = run_gemmactl(question, env=reference | {"GEMMACTL_INT4_WEIGHTS": "sparse"})
     assert bad.returncode == 1
     assert "Traceback" not in bad.stderr and "unknown int4 weights mode 'sparse'" in bad.stderr

@@ -44,6 +44,7 @@ class BenchConfig:
     repeat: int = 3
     warm_prefix: bool = False
     compare: list[str] = field(default_factory=list)
+    gguf: str | None = None  # the same model as GGUF, for the llama.cpp targets of a non-GGUF --model
     hf_model: str | None = None
     vram_bytes: int | None = None
     context: int | None = None
@@ -111,6 +112,7 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
     model_path = model.path
     speculative_args, speculative = _speculative(config, spec.tier, store)
     is_gguf = model.format == "gguf"
+    gguf_path = _gguf_twin(config.gguf, is_gguf, store) or (model_path if is_gguf else None)
     needs_server = any(level > 1 for level in config.concurrency)
     server_binary = _server_binary(store, required=needs_server)
     hf_model = _hf_model(config.hf_model, model_path, store)
@@ -120,9 +122,9 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
     # Every llama.cpp target runs with gemmactl's placement, so they measure the same configuration.
     placement = backend.placement
     settings = TargetSettings(
-        model_path=str(model_path), is_gguf=is_gguf,
+        model_path=str(gguf_path or model_path), is_gguf=gguf_path is not None,
         context=backend.context_size, threads=backend.threads or _threads(),
-        extra_buffers=_extra_buffers() if is_gguf else True,
+        extra_buffers=_extra_buffers() if gguf_path else True,
         n_gpu_layers=placement.n_gpu_layers if placement else -1,
         tensor_overrides=placement.tensor_overrides if placement else (),
         placement_args=placement.llama_server_args if placement else (),
@@ -199,6 +201,18 @@ def _open_target(name: str, settings: TargetSettings):
 
         return IsolatedTarget(ISOLATED[name], settings)
     return COMPARE_CLASSES[name](settings)
+
+
+def _gguf_twin(ref: str | None, is_gguf: bool, store: Store) -> Path | None:
+    """--gguf: the GGUF the llama.cpp targets run beside a model of another format."""
+    if ref is None:
+        return None
+    if is_gguf:
+        raise InvalidOptionError("--gguf gives the llama.cpp targets a GGUF beside a model of another format, "
+                                 "and --model is a GGUF already", hint="Leave --gguf out.")
+    from gemmactl.store.refs import GGUF, resolve_model
+
+    return Path(resolve_model(ref, store, accept=(GGUF,)).path)
 
 
 def _speculative(config: BenchConfig, tier, store: Store) -> tuple[tuple[str, ...], dict | None]:

@@ -26,6 +26,8 @@ from gemmactl.cli.types import FiniteFloatRange
 @click.option("--warm-prefix", is_flag=True, help="Also send a ≥ 2k-token conversation twice: cold, then warm TTFT.")
 @click.option("--compare", "compare", multiple=True, metavar="TARGET",
               help="Also measure llama-cpp-python, llama-server, hf-generate or accelerate, interleaved (repeatable).")
+@click.option("--gguf", "gguf", metavar="REF", shell_complete=complete.models,
+              help="The same model as GGUF, for the llama.cpp targets when --model is an int4 artifact.")
 @click.option("--hf-model", "hf_model", metavar="DIR|NAME", help="Hugging Face checkpoint of the same model, for hf-generate and accelerate.")
 @click.option("--vram", "vram", metavar="SIZE", help="VRAM cap for accelerate's device_map=\"auto\", e.g. 4GiB (default: the whole GPU).")
 @click.option("--draft", "draft", metavar="GGUF", shell_complete=complete.models,
@@ -39,7 +41,7 @@ from gemmactl.cli.types import FiniteFloatRange
 @click.option("--json", "json_mode", is_flag=True, help="Print the whole result as one JSON object.")
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), metavar="DIR", help="Write result.json (and plot.png) here.")
 @click.option("--plot", is_flag=True, help="With --out: also write plot.png (tok/s vs concurrency, cold vs warm TTFT).")
-def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_prefix, compare, hf_model, vram,
+def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_prefix, compare, gguf, hf_model, vram,
           draft, draft_max, context, timeout, json_mode, out, plot):
     """Measure decode-only and wall-clock speed, optionally side by side.
 
@@ -54,6 +56,7 @@ def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_pr
       gemmactl bench --compare llama-cpp-python --compare llama-server --warm-prefix
       gemmactl bench --concurrency 1,4,16 --out results --plot
       gemmactl bench --compare llama-server --draft draft.gguf --draft-max 8
+      gemmactl bench --model e2b-int4 --gguf e2b-Q4_K_M --compare llama-server
     """
     from gemmactl.bench.report import plot_in_child, render_text, sections, write_result
     from gemmactl.bench.runner import BenchConfig, check_config, parse_concurrency, run_bench
@@ -71,7 +74,7 @@ def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_pr
     config = BenchConfig(
         recipe=recipe, model=model, tier=tier, prompts=prompts, max_tokens=max_tokens,
         concurrency=parse_concurrency(concurrency), repeat=repeat, warm_prefix=warm_prefix, compare=list(compare),
-        hf_model=hf_model, vram_bytes=vram_bytes, draft=draft, draft_max=draft_max, context=context, timeout_s=timeout,
+        gguf=gguf, hf_model=hf_model, vram_bytes=vram_bytes, draft=draft, draft_max=draft_max, context=context, timeout_s=timeout,
         flags=dict(ctx.params), argv=_command_args(ctx),
     )
     check_config(config)

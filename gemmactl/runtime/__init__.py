@@ -7,7 +7,7 @@ from importlib import import_module
 # name → "module:class"; imported only when a tier needs it (keeps `--help` fast).
 BACKENDS = {
     "llamacpp": "gemmactl.runtime.llamacpp:LlamaCppBackend",
-    "int4": "gemmactl.runtime.int4_backend:Int4Backend",
+    "int4": "gemmactl.runtime.engine.backend:open_int4_backend",
 }
 
 

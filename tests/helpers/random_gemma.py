@@ -43,6 +43,16 @@ TINY_CONFIGS: dict[str, dict] = {
         hidden_size_per_layer_input=16,
         num_kv_shared_layers=5,
     ),
+    # The E2B arrangement in full: shared KV, double-wide MLPs in the sharing layers, a final softcap.
+    "e2b-tiny": dict(
+        _TINY,
+        num_hidden_layers=10,
+        layer_types=([SLIDING] * 4 + [FULL]) * 2,
+        hidden_size_per_layer_input=16,
+        num_kv_shared_layers=5,
+        use_double_wide_mlp=True,
+        final_logit_softcapping=30.0,
+    ),
     # 26B-A4B style: (5 sliding + 1 full) × 2, 8 experts top-2, K = V with one global KV head.
     "moe": dict(
         _TINY,
@@ -92,7 +102,14 @@ GEMMA3_270M = dict(
     layer_types=([SLIDING] * 5 + [FULL]) * 3,
 )
 
-FULL_SIZE = {"e2b": ("gemma4", E2B), "gemma3-270m": ("gemma3", GEMMA3_270M)}
+# Gemma 3 in miniature: (5 sliding + 1 full) × 2, a window the tests' sequences run past.
+GEMMA3_TINY = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=32, sliding_window=16, vocab_size=262_144, max_position_embeddings=4096, query_pre_attn_scalar=32,
+    layer_types=([SLIDING] * 5 + [FULL]) * 2,
+)
+
+FULL_SIZE = {"e2b": ("gemma4", E2B), "gemma3-270m": ("gemma3", GEMMA3_270M), "gemma3-tiny": ("gemma3", GEMMA3_TINY)}
 KINDS = tuple(TINY_CONFIGS) + tuple(FULL_SIZE)
 
 

@@ -1,0 +1,190 @@
+"""The `int4` backend: an int4-stream artifact run by the engine.
+
+Prefill runs in chunks of CHUNK tokens with batched matmuls; decode runs one token per step (a
+replayed CUDA graph on a GPU) and picks the next token on the device, so only its id reaches
+the host. Timings come from the engine itself (synchronized at prefill's end and decode's end).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+from gemmactl.errors import BackendError
+from gemmactl.prompt.build import ModelText
+from gemmactl.runtime.base import (
+    REPEAT_LAST_N, EngineTimings, GenerationRequest, PreparedPrompt, PromptedBackend,
+)
+
+CHUNK = 256  # prefill tokens per step
+DEVICE_ENV = "GEMMACTL_INT4_DEVICE"  # auto | cpu | cuda[:N]
+DTYPE_ENV = "GEMMACTL_ENGINE_DTYPE"  # bfloat16 (default) | float32
+DEBUG_HINT = "Rerun with --debug for details."
+_DETOKENIZE_CONTEXT = 4  # prompt tokens decoded with the first new token, so its leading space survives
+
+
+def engine_device(device: str | None = None) -> str:
+    """"auto"/None → cuda when torch sees a GPU, else cpu ($GEMMACTL_INT4_DEVICE first)."""
+    import torch
+
+    device = device if device not in (None, "", "auto") else (os.environ.get(DEVICE_ENV) or "auto")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise BackendError(f"{DEVICE_ENV}={device} asks for CUDA, and torch sees no CUDA GPU here",
+                           hint="Unset it (or set cpu): the CPU runs the same engine.")
+    return device
+
+
+def engine_dtype():
+    import torch
+
+    # bfloat16 is the checkpoints' dtype and what the GPU kernels take; on the CPU a decode step
+    # reads half the bytes of float32 and ran faster (docs/benchmarks.md, engine on the CPU).
+    name = os.environ.get(DTYPE_ENV, "bfloat16")
+    if name not in ("bfloat16", "float32"):
+        raise BackendError(f"{DTYPE_ENV}={name} is not a dtype the engine runs in", hint="Use bfloat16 or float32.")
+    return getattr(torch, name)
+
+
+class EngineBackend(PromptedBackend):
+    """One int4-stream artifact loaded in the engine, generating token by token."""
+
+    name = "int4"
+
+    def __init__(self, model_path: str, *, context_size: int = 4096, n_threads: int | None = None,
+                 device: str = "auto", dtype=None):
+        import torch
+        from transformers import AutoTokenizer
+
+        from gemmactl.formats.int4.reader import open_artifact
+        from gemmactl.runtime.engine.graph import DecodeStep
+        from gemmactl.runtime.engine.model import GemmaModel
+        from gemmactl.runtime.llamacpp import default_threads
+
+        self.model_path = str(model_path)
+        self.threads = n_threads or default_threads()
+        torch.set_num_threads(self.threads)
+        self.device = engine_device(device)
+        self.dtype = dtype or engine_dtype()
+        start = time.perf_counter()
+        artifact = open_artifact(Path(model_path))
+        if not artifact.index.get("tokenizer"):
+            raise BackendError(
+                f"{model_path} has no tokenizer files",
+                hint="Quantize a checkpoint that includes its tokenizer (tokenizer.json, tokenizer_config.json).",
+            )
+        limit = int(artifact.config.get("max_position_embeddings") or context_size)
+        self.context_size = min(context_size, limit)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            with torch.inference_mode():
+                self.model = GemmaModel(artifact, device=self.device, dtype=self.dtype, context=self.context_size)
+            self.decoder = DecodeStep(self.model, cache_dir=Path(artifact.path) / "engine-cache" / "inductor")
+        except (OSError, ValueError, KeyError) as exc:
+            raise BackendError(f"could not load {model_path}: {exc}", hint=DEBUG_HINT) from exc
+        except RuntimeError as exc:  # e.g. out of device memory, an unusable kernel
+            raise BackendError(f"could not load {model_path} on {self.device}: {exc}", hint=DEBUG_HINT) from exc
+        self.load_s = time.perf_counter() - start
+        self.chat_template = getattr(self.tokenizer, "chat_template", None) or None
+        self.stop_ids = self._stop_ids(artifact.config)
+        self._timings: EngineTimings | None = None
+        self.notices = []
+
+    def info(self) -> dict:
+        """What the engine chose (for --stats and bench)."""
+        kernels = sorted({lin.kernel for layer in self.model.layers for lin in layer.mlp.values()})
+        return {"device": self.device, "dtype": str(self.dtype).removeprefix("torch."), "kernels": kernels,
+                "cuda_graph": self.decoder.graph is not None, "compiled": self.decoder.compiled,
+                "weights_bytes": self.model.nbytes(), "setup_s": round(self.decoder.setup_s, 3)}
+
+    # -- Backend protocol ------------------------------------------------------------------------
+
+    def model_text(self) -> ModelText:
+        tok = self.tokenizer
+        return ModelText(self.chat_template, tok.bos_token or "", tok.eos_token or "")
+
+    def tokenize(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
+        # The tokenizer always parses special tokens in text; add_bos decides the BOS token alone.
+        tok = self.tokenizer
+        tokens = tok(text, add_special_tokens=False)["input_ids"]
+        return [tok.bos_token_id, *tokens] if add_bos and tok.bos_token_id is not None else tokens
+
+    def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str]:
+        import torch
+
+        from gemmactl.runtime.engine.sampler import pick
+        from gemmactl.runtime.int4_backend import IncrementalDetokenizer
+
+        model, device = self.model, self.model.device
+        generator = None
+        if request.temperature > 0:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(request.seed if request.seed is not None else int(time.time_ns() % 2**63))
+        detok = IncrementalDetokenizer(self.tokenizer, prompt.tokens[-_DETOKENIZE_CONTEXT:])
+        recent = torch.tensor(prompt.tokens[-REPEAT_LAST_N:], dtype=torch.long, device=device)
+        n = len(prompt.tokens)
+        self._timings = None
+        try:
+            with torch.inference_mode():
+                start = time.perf_counter()
+                model.reset()
+                tokens = torch.tensor(prompt.tokens, dtype=torch.long, device=device)
+                for begin in range(0, n, CHUNK):
+                    stop = min(n, begin + CHUNK)
+                    logits = model.step(tokens[begin:stop], torch.arange(begin, stop, device=device), stop)
+                token = pick(logits, recent, request, generator)
+                first = int(token)  # waits for prefill: its time is TTFT's
+                prefill_s = time.perf_counter() - start
+                decode_start, decoded = time.perf_counter(), 0
+                position = n
+                value = first
+                while True:
+                    if value in self.stop_ids:
+                        break
+                    yield detok.feed(value)
+                    decoded += 1
+                    if position >= self.context_size or decoded >= request.max_tokens:
+                        break
+                    recent = torch.cat((recent[1:] if recent.numel() >= REPEAT_LAST_N else recent, token.reshape(1)))
+                    logits = self.decoder(token, position)
+                    token = pick(logits, recent, request, generator)
+                    value = int(token)
+                    position += 1
+                self._timings = EngineTimings(prefill_s, n, time.perf_counter() - decode_start, max(decoded - 1, 0))
+        except RuntimeError as exc:
+            raise BackendError(f"the engine failed while generating: {exc}", hint=DEBUG_HINT) from exc
+
+    def engine_timings(self) -> EngineTimings | None:
+        return self._timings
+
+    def close(self) -> None:
+        self.model = None
+        self.decoder = None
+
+    def _stop_ids(self, config: dict) -> set[int]:
+        ids: set[int] = set()
+        for value in (config.get("eos_token_id"), self.tokenizer.eos_token_id):
+            ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
+        end_of_turn = self.tokenizer.convert_tokens_to_ids("<end_of_turn>")
+        if isinstance(end_of_turn, int) and end_of_turn != self.tokenizer.unk_token_id:
+            ids.add(end_of_turn)
+        return ids
+
+
+ENGINE_ENV = "GEMMACTL_INT4_ENGINE"  # auto | off (the transformers path, kept as the reference)
+
+
+def open_int4_backend(model_path: str, **options):
+    """The `int4` backend for an artifact: the engine, or transformers for what the engine does not
+    run yet (MoE experts) and when GEMMACTL_INT4_ENGINE=off asks for it."""
+    from gemmactl.formats.int4.reader import read_index
+
+    config = read_index(Path(model_path)).get("config") or {}
+    if os.environ.get(ENGINE_ENV, "auto").lower() in ("off", "0", "false") or config.get("enable_moe_block"):
+        from gemmactl.runtime.int4_backend import Int4Backend
+
+        return Int4Backend(model_path, **options)
+    return EngineBackend(model_path, **options)

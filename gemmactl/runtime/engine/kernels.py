@@ -1,0 +1,173 @@
+"""The engine's matrix products over int4-stream weights: which kernel runs each weight, and its layout.
+
+On CUDA, int4 weights run in torch's built-in int4 weight-only matmul (`aten._weight_int4pack_mm`,
+the "tinygemm" kernel that gpt-fast and torchao's int4 weight-only path use): a well-kept kernel
+that ships with torch, needs nothing compiled here, and fuses the dequantization into the
+product, so a decode step reads each weight once, packed. int8 rows (the head, and v_proj and
+down_proj under `--sensitive int8`) are dequantized once to bfloat16 and run in cuBLAS: torch's
+CUDA `_weight_int8pack_mm` is a one-thread-per-output loop over K, and with it the E2B-shaped
+decode step ran 59 tok/s on the H200 (docs/benchmarks.md); a fused int8 kernel is still to come.
+The repacked layout is kept beside the artifact (`engine-cache/`), so a second load skips the
+repack. On the CPU every weight is dequantized once into a dense matrix in the compute dtype and
+multiplied by `F.linear`: its numbers are exactly the dense reference's. torch's CPU int4 kernel
+(`_weight_int4pack_mm_for_cpu`) was faster per layer matrix here (122 against 162 µs for 2048×640
+at one token) but rounds each group's zero to bfloat16, which moves the logits; the head, the
+largest matrix, is int8 rows, where `_weight_int8pack_mm` was no faster than dense bfloat16.
+
+int4-stream decodes w = q·scale + zero (q in 0..15, per group of g columns); tinygemm decodes
+w = (q − 8)·scale + zero′, so zero′ = zero + 8·scale, kept with the scale in bfloat16.
+"""
+
+from __future__ import annotations
+
+import os
+
+KERNEL_ENV = "GEMMACTL_ENGINE_KERNEL"  # auto | dense: force dense weights (for measurements)
+INNER_K_TILES = 8
+TINYGEMM_GROUPS = (32, 64, 128, 256)
+
+
+class Linear:
+    """y = x Wᵀ for x [T, in] → [T, out], by whichever kernel holds W."""
+
+    kernel = "dense"
+
+    def __init__(self, weight):
+        self.weight = weight  # [out, in]
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x):
+        import torch.nn.functional as F
+
+        return F.linear(x, self.weight)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class Int4Linear(Linear):
+    """tinygemm: int4 codes packed for the kernel, (scale, zero′) per group in bfloat16."""
+
+    kernel = "int4-tinygemm"
+
+    def __init__(self, packed, scales_and_zeros, group_size: int, out_features: int, in_features: int):
+        self.packed = packed
+        self.scales_and_zeros = scales_and_zeros  # [in/g, out, 2]
+        self.group_size = group_size
+        self.out_features, self.in_features = out_features, in_features
+
+    def __call__(self, x):
+        import torch
+
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, shape[-1]), self.packed, self.group_size,
+                                                self.scales_and_zeros)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
+
+
+def tinygemm_fits(record) -> bool:
+    out_features, in_features = record.shape
+    return (record.group_size in TINYGEMM_GROUPS and in_features % (INNER_K_TILES * 16) == 0
+            and out_features % 8 == 0 and in_features % record.group_size == 0)
+
+
+def make_linear(artifact, record, device, dtype, cache=None) -> Linear:
+    """The record as a Linear on device: a fused int4/int8 kernel on CUDA, dense elsewhere.
+
+    cache: a RepackCache keeping tinygemm layouts between loads.
+    """
+    import torch
+
+    cuda = str(device).startswith("cuda")
+    forced_dense = os.environ.get(KERNEL_ENV, "auto") == "dense"
+    if cuda and not forced_dense and dtype == torch.bfloat16:
+        if record.scheme == "int4" and tinygemm_fits(record):
+            packed, sz = (cache.get(record) if cache is not None else None) or _tinygemm_layout(artifact, record, device)
+            if cache is not None:
+                cache.put(record, packed, sz)
+            return Int4Linear(packed.to(device), sz.to(device), record.group_size, *record.shape)
+    return Linear(artifact.decode(record, device, dtype).contiguous())
+
+
+def _tinygemm_layout(artifact, record, device):
+    """The record's int4 parts in tinygemm's layout, made on the device."""
+    parts = artifact.packed(record, device).parts
+    return tinygemm_layout(parts["qweight"], parts["scales"], parts["zeros"], record.shape[1])
+
+
+def tinygemm_layout(qweight, scales, zeros, in_features: int):
+    """int4-stream parts (codes nibble-packed low first [out, in/2], fp16 scales and zeros [out, G])
+    → (packed codes, scales_and_zeros [G, out, 2] bf16) for `_weight_int4pack_mm`."""
+    import torch
+
+    from gemmactl.formats.int4.quant import unpack_nibbles
+
+    codes = unpack_nibbles(qweight)[:, :in_features]  # [out, in] uint8 0..15
+    # The kernel takes the codes nibble-packed two to a byte, high nibble first.
+    pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()  # [out, in/2]
+    packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INNER_K_TILES)
+    scale = scales.float()  # [out, G]
+    zero = zeros.float() + 8 * scale  # zero′: what code 8 decodes to
+    sz = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(torch.bfloat16)  # [G, out, 2]
+    return packed, sz
+
+
+class RepackCache:
+    """tinygemm layouts of an artifact's int4 weights, kept in `engine-cache/` next to its shards.
+
+    Keyed by the artifact's plan fingerprint, the record and the torch version, so a changed
+    artifact or torch never reads a stale layout. Written whole or not at all.
+    """
+
+    def __init__(self, artifact):
+        import torch
+
+        self.folder = artifact.path / "engine-cache" / f"tinygemm-{artifact.plan.hex()[:16]}-torch{torch.__version__}"
+        self.hits = self.misses = 0
+        self._pending: dict = {}
+
+    def _file(self, record):
+        return self.folder / (record.key.replace("/", "_").replace("#", "-") + ".pt")
+
+    def get(self, record):
+        import torch
+
+        path = self._file(record)
+        if not path.is_file():
+            self.misses += 1
+            return None
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return saved["packed"], saved["scales_and_zeros"]
+
+    def put(self, record, packed, sz) -> None:
+        if self._file(record).is_file():
+            return
+        self._pending[record.key] = (record, packed, sz)
+
+    def save(self) -> None:
+        """Write what this load repacked (skipped silently where the artifact's folder is read-only)."""
+        import io
+
+        import torch
+
+        from gemmactl.fileio import atomic_write_bytes
+
+        if not self._pending:
+            return
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            for record, packed, sz in self._pending.values():
+                buffer = io.BytesIO()
+                torch.save({"packed": packed.cpu(), "scales_and_zeros": sz.cpu()}, buffer)
+                atomic_write_bytes(self._file(record), buffer.getvalue())
+        except OSError:
+            pass
+        self._pending.clear()

@@ -1,0 +1,143 @@
+"""The shape of a Gemma 3 / Gemma 4 text model as the engine runs it, read from an int4-stream artifact.
+
+Per-layer facts come from the stored tensors themselves (head sizes from q_proj and k_proj, which
+layers own a KV cache from whether they have k_proj), so the engine does not depend on how a
+transformers version spells them in the config. What only the config knows (layer types, window,
+norms' eps, scalings, rope) comes from the config, read through transformers' own classes.
+
+Axes used in shape comments across the engine: T = tokens in a step, H = hidden size,
+N = attention heads, K = KV heads, D = head dim, S = cache slots, V = vocabulary,
+L = layers, P = per-layer-input width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gemmactl.errors import UnsupportedModelError
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+FAMILIES = {"gemma3": "gemma3", "gemma3_text": "gemma3", "gemma4": "gemma4", "gemma4_text": "gemma4"}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    index: int
+    kind: str  # SLIDING or FULL: its mask and its rope
+    heads: int  # N
+    head_dim: int  # D
+    kv_heads: int  # K
+    kv_from: int  # the layer whose KV cache it reads: itself, or the producer it shares with
+    k_eq_v: bool  # values are the keys' projection (Gemma 4 MoE global layers)
+
+    @property
+    def owns_kv(self) -> bool:
+        return self.kv_from == self.index
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str  # gemma3 | gemma4
+    hidden: int
+    vocab: int
+    layers: tuple[LayerSpec, ...]
+    window: int  # sliding window: keys in (position - window, position]
+    eps: float
+    norm_plus_one: bool  # Gemma 3 RMSNorm scales by (1 + w), Gemma 4 by w
+    query_scale: float
+    attn_softcap: float | None
+    final_softcap: float | None
+    ple_dim: int  # P, Gemma 4 per-layer inputs (0: none)
+    moe: bool
+    tied: bool
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+
+def hf_text_config(config: dict):
+    """The artifact's config as transformers' text config object (gemma3 → Gemma3TextConfig, ...)."""
+    from transformers import AutoConfig
+
+    values = dict(config)
+    model_type = values.pop("model_type", None)
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(
+            f"the engine runs Gemma 3 and Gemma 4 text models, and this artifact is a {model_type!r} model",
+            hint="Quantize a Gemma 3 or Gemma 4 checkpoint.",
+        )
+    hf = AutoConfig.for_model(model_type, **values)
+    return hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+
+
+def model_spec(config: dict, shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
+    """The engine's view of a model: config facts, and per-layer sizes from the tensors' shapes."""
+    hf = hf_text_config(config)
+    family = FAMILIES[hf.model_type]
+    prefix = "model." if any(name.startswith("model.layers.") for name in shapes) else ""
+    n = hf.num_hidden_layers
+    kinds = list(hf.layer_types)
+    heads = hf.num_attention_heads
+    moe = bool(getattr(hf, "enable_moe_block", False))
+    owners = [f"{prefix}layers.{i}.self_attn.k_proj.weight" in shapes for i in range(n)]
+    layers = []
+    for i in range(n):
+        q = shapes.get(f"{prefix}layers.{i}.self_attn.q_proj.weight")
+        if q is None:
+            raise UnsupportedModelError(f"layer {i} of the artifact has no q_proj weight", hint="Make the artifact again.")
+        head_dim = q[0] // heads
+        if owners[i]:
+            kv_from = i
+            kv_heads = shapes[f"{prefix}layers.{i}.self_attn.k_proj.weight"][0] // head_dim
+        else:  # reads the last earlier layer of its kind that keeps a cache (Gemma 4 KV sharing)
+            kv_from = next((j for j in range(i - 1, -1, -1) if owners[j] and kinds[j] == kinds[i]), None)
+            if kv_from is None:
+                raise UnsupportedModelError(f"layer {i} shares a KV cache that no earlier {kinds[i]} layer keeps")
+            kv_heads = layers[kv_from].kv_heads
+        k_eq_v = owners[i] and f"{prefix}layers.{i}.self_attn.v_proj.weight" not in shapes
+        layers.append(LayerSpec(i, kinds[i], heads, head_dim, kv_heads, kv_from, k_eq_v))
+    if family == "gemma3":
+        query_scale = float(hf.query_pre_attn_scalar) ** -0.5
+    else:
+        query_scale = 1.0  # Gemma 4 normalizes q and k; its attention does not scale again
+    ple = int(getattr(hf, "hidden_size_per_layer_input", 0) or 0) if family == "gemma4" else 0
+    return ModelSpec(
+        family=family,
+        hidden=hf.hidden_size,
+        vocab=hf.vocab_size,
+        layers=tuple(layers),
+        window=int(hf.sliding_window or 0),
+        eps=float(hf.rms_norm_eps),
+        norm_plus_one=family == "gemma3",
+        query_scale=query_scale,
+        attn_softcap=getattr(hf, "attn_logit_softcapping", None),
+        final_softcap=getattr(hf, "final_logit_softcapping", None),
+        ple_dim=ple,
+        moe=moe,
+        tied="lm_head.weight" not in shapes,
+    )
+
+
+def rope_tables(config: dict, length: int, dtype, device="cpu") -> dict:
+    """cos and sin per layer kind for positions 0..length-1: {kind: (cos [length, D], sin [length, D])}.
+
+    Made by transformers' own rotary module for the model, so every rope variant it knows (default,
+    Gemma 4's proportional partial rope, linear or YaRN scaling) comes out as it computes it,
+    rounded to the compute dtype as it rounds it.
+    """
+    import torch
+
+    hf = hf_text_config(config)
+    if FAMILIES[hf.model_type] == "gemma4":
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding as Rotary
+    else:
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding as Rotary
+    rotary = Rotary(hf)
+    positions = torch.arange(length).unsqueeze(0)  # [1, length]
+    probe = torch.zeros(1, dtype=dtype)
+    tables = {}
+    for kind in sorted(set(hf.layer_types)):
+        cos, sin = rotary(probe, positions, kind)
+        tables[kind] = (cos[0].to(device), sin[0].to(device))
+    return tables

@@ -1,0 +1,220 @@
+"""The engine against transformers holding the same dequantized weights, on the CPU.
+
+Both run in float32 from one int4-stream artifact, so any difference is the engine's: logits
+must agree to within TOLERANCE of their scale, and greedy decoding token for token over 32
+steps, past the sliding window (16 tokens in the tiny models) and across KV-shared layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemmactl.formats.int4.layout import QuantizeOptions
+from gemmactl.formats.int4.quantize import quantize_checkpoint
+from gemmactl.formats.int4.reader import open_artifact
+
+TOLERANCE = 1e-4  # of the logits' largest magnitude: float32 sums in another order, nothing more
+PROMPT = [2, 818, 5279, 529, 7001, 563, 496, 1401]  # BOS + a few ordinary tokens
+STEPS = 32
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    from helpers.random_gemma import build_random_gemma
+
+    made = {}
+
+    def make(kind: str):
+        if kind not in made:
+            folder = tmp_path_factory.mktemp(f"engine-{kind}")
+            source = build_random_gemma(kind, folder / "checkpoint")
+            quantize_checkpoint(source, folder / "artifact", QuantizeOptions(group_size=32, shard_size=1 << 30))
+            made[kind] = open_artifact(folder / "artifact")
+        return made[kind]
+
+    return make
+
+
+def reference_greedy(model, prompt, steps):
+    """transformers' greedy tokens (recomputing the whole sequence each step) and its first logits."""
+    seq, tokens, first = list(prompt), [], None
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = model(input_ids=torch.tensor([seq])).logits[0, -1]
+            first = logits if first is None else first
+            tokens.append(int(logits.argmax()))
+            seq.append(tokens[-1])
+    return tokens, first
+
+
+def engine_greedy(engine, prompt, steps, chunk=None, decoder=None, bounded=True):
+    """The engine's greedy tokens (prefill in chunks of `chunk`, then one token a step, through
+    `decoder` when given) and its first logits (on the CPU). bounded: pass the end position, as
+    eager callers do; else attention reads every slot, as a captured graph does."""
+    device = engine.device
+    engine.reset()
+    chunk = chunk or len(prompt)
+    with torch.inference_mode():
+        for start in range(0, len(prompt), chunk):
+            stop = min(len(prompt), start + chunk)
+            logits = engine.step(torch.tensor(prompt[start:stop], device=device), torch.arange(start, stop, device=device),
+                                 stop if bounded else None)
+        first, tokens, position = logits.cpu(), [], len(prompt)
+        for _ in range(steps):
+            tokens.append(int(logits.argmax()))
+            token = torch.tensor(tokens[-1:], device=device)
+            if decoder is not None:
+                logits = decoder(token, position)
+            else:
+                logits = engine.step(token, torch.tensor([position], device=device), position + 1 if bounded else None)
+            position += 1
+    return tokens, first
+
+
+@pytest.mark.parametrize("kind", ["dense-ple", "shared-kv", "e2b-tiny", "gemma3-tiny"])
+def test_engine_logits_and_greedy_tokens_equal_transformers(artifacts, kind):
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.int4_model import build_model
+
+    artifact = artifacts(kind)
+    reference = build_model(artifact, torch.float32)
+    expected, expected_logits = reference_greedy(reference, PROMPT, STEPS)
+    engine = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64)
+    for bounded in (True, False):
+        tokens, logits = engine_greedy(engine, PROMPT, STEPS, bounded=bounded)
+        assert (logits - expected_logits).abs().max() <= TOLERANCE * expected_logits.abs().max()
+        assert tokens == expected
+    # Sliding layers keep a ring of the window (16) while full-attention ones keep every position.
+    rings = [cache for cache in engine.caches.values() if cache.ring]
+    assert rings and all(cache.slots == 16 for cache in rings)
+    if kind == "shared-kv":
+        assert len(engine.caches) == 5  # the last five layers read their producers' caches
+
+
+def test_chunked_prefill_equals_one_pass(artifacts):
+    from gemmactl.runtime.engine.model import GemmaModel
+
+    engine = GemmaModel(artifacts("shared-kv"), device="cpu", dtype=torch.float32, context=128)
+    prompt = (PROMPT * 5)[:37]  # longer than the window, in chunks that straddle it
+    whole = engine_greedy(engine, prompt, 8)
+    chunked = engine_greedy(engine, prompt, 8, chunk=5)
+    assert chunked[0] == whole[0]
+    assert (chunked[1] - whole[1]).abs().max() <= TOLERANCE * whole[1].abs().max()
+
+
+def test_the_int4_backend_is_the_engine_and_samples_as_asked(artifacts, monkeypatch):
+    from gemmactl.runtime import backend_class
+    from gemmactl.runtime.base import GenerationRequest
+    from gemmactl.runtime.engine.backend import EngineBackend
+    from gemmactl.runtime.engine.sampler import pick
+
+    backend = backend_class("int4")
+    logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
+    assert int(pick(logits.clone(), None, GenerationRequest(prompt="x", temperature=0), None)) == 1
+    penalized = GenerationRequest(prompt="x", temperature=0, repeat_penalty=2.0)
+    assert int(pick(logits.clone(), torch.tensor([1]), penalized, None)) == 2
+    wide = GenerationRequest(prompt="x", temperature=5.0, top_k=0, top_p=1.0)
+    seeded = [int(pick(logits, None, wide, torch.Generator().manual_seed(7))) for _ in range(2)]
+    assert seeded[0] == seeded[1]  # one seed, one draw
+    spread = {int(pick(logits, None, wide, torch.Generator().manual_seed(seed))) for seed in range(64)}
+    assert len(spread) > 1  # a hot temperature really samples
+    assert backend.__name__ == "open_int4_backend" and EngineBackend.name == "int4"
+
+
+def test_moe_artifacts_stay_on_the_transformers_path(artifacts):
+    from gemmactl.errors import UnsupportedModelError
+    from gemmactl.runtime.engine.model import GemmaModel
+
+    with pytest.raises(UnsupportedModelError, match="MoE"):
+        GemmaModel(artifacts("moe"), device="cpu", dtype=torch.float32, context=32)
+
+
+@pytest.mark.real_model
+def test_the_real_270m_through_the_engine(gemma3_hf_checkpoint, tmp_path):
+    """The real Gemma 3 270M: the engine's greedy tokens are transformers' (both float32, same
+    dequantized weights), and through `run` it answers Paris."""
+    import json
+    import subprocess
+    import sys
+
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.int4_model import build_model
+
+    quantize_checkpoint(gemma3_hf_checkpoint, tmp_path / "art", QuantizeOptions(group_size=32, shard_size=1 << 30))
+    artifact = open_artifact(tmp_path / "art")
+    prompt = [2, 26156, 236787, 2900, 563, 506, 5279, 529, 7001, 236881, 107, 7925, 236787]  # Question: …France?\nAnswer:
+    expected, _ = reference_greedy(build_model(artifact, torch.float32), prompt, 12)
+    tokens, _ = engine_greedy(GemmaModel(artifact, device="cpu", dtype=torch.float32, context=256), prompt, 12)
+    assert tokens == expected
+    proc = subprocess.run([sys.executable, "-m", "gemmactl", "run", "--model", str(tmp_path / "art"), "--json",
+                           "--temperature", "0", "--max-tokens", "8", "What is the capital of France?"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert "Paris" in result["answer"] and result["model"]["backend"] == "int4"
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["dense-ple", "shared-kv", "e2b-tiny", "gemma3-tiny"])
+def test_gpu_engine_with_its_captured_step_equals_transformers(artifacts, kind, monkeypatch):
+    """On a GPU, in float32 with dense weights: the captured decode step gives transformers' tokens;
+    in bfloat16 with the int4 kernels, logits stay close (their scales and zeros are bfloat16)."""
+    from gemmactl.runtime.engine.graph import DecodeStep
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.int4_model import build_model
+
+    artifact = artifacts(kind)
+    expected, expected_logits = reference_greedy(build_model(artifact, torch.float32), PROMPT, STEPS)
+    monkeypatch.setenv("GEMMACTL_ENGINE_KERNEL", "dense")
+    monkeypatch.setenv("GEMMACTL_ENGINE_COMPILE", "off")
+    engine = GemmaModel(artifact, device="cuda", dtype=torch.float32, context=64)
+    step = DecodeStep(engine)
+    assert step.graph is not None
+    tokens, logits = engine_greedy(engine, PROMPT, STEPS, decoder=step)
+    assert (logits - expected_logits).abs().max() <= 1e-3 * expected_logits.abs().max()  # TF32 matmuls
+    assert tokens == expected
+
+
+@gpu
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_gpu_tinygemm_layout_decodes_the_int4_stream_weights(group_size):
+    """tinygemm over the repacked codes = the dequantized weight's product, up to bfloat16 rounding
+    of each group's scale and zero′ (what the kernel stores)."""
+    from gemmactl.formats.int4.quant import dequantize_int4, quantize_int4
+    from gemmactl.runtime.engine.kernels import Int4Linear, tinygemm_layout
+
+    torch.manual_seed(0)
+    w = torch.randn(512, 768, device="cuda")
+    qweight, scales, zeros = quantize_int4(w, group_size)
+    dense = dequantize_int4(qweight, scales, zeros, 768)
+    x = torch.randn(5, 768, device="cuda", dtype=torch.bfloat16)
+    packed, sz = tinygemm_layout(qweight, scales, zeros, 768)
+    y = Int4Linear(packed, sz, group_size, 512, 768)(x).float()
+    expected = x.float() @ dense.t()
+    assert (y - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+def test_an_artifact_the_engine_cannot_run_is_named_with_what_it_runs():
+    from gemmactl.errors import UnsupportedModelError
+    from gemmactl.runtime.engine.spec import model_spec
+
+    with pytest.raises(UnsupportedModelError, match="Gemma 3 and Gemma 4 text models.*'llama'"):
+        model_spec({"model_type": "llama", "hidden_size": 64}, {})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_asked_for_without_it_is_one_line_pointing_at_the_cpu(artifacts):
+    import os
+    import subprocess
+    import sys
+
+    artifact = artifacts("dense-ple")
+    proc = subprocess.run([sys.executable, "-m", "gemmactl", "run", "--model", str(artifact.path), "hello"],
+                          capture_output=True, text=True, env={**os.environ, "GEMMACTL_INT4_DEVICE": "cuda"})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "GEMMACTL_INT4_DEVICE=cuda" in lines[0] and "no CUDA GPU" in lines[0] and "CPU" in proc.stderr
