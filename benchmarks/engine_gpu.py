@@ -77,10 +77,10 @@ def _one_variant(artifact: str, tokens: int) -> dict:
                 token = torch.argmax(step(token, len(PROMPT) + i))
                 int(token)  # the host learns each token, as generation does
             rates.append(tokens / (time.perf_counter() - begin))
-    kernels = sorted({lin.kernel for layer in model.layers for lin in layer.mlp.values()})
+    kernels = sorted({lin.kernel for layer in model.layers for lin in layer.linears().values()})
     return {"decode_tok_s": sorted(rates)[1], "decode_tok_s_all": rates, "load_s": load_s, "setup_s": step.setup_s,
             "kernels": kernels, "head": model.head.kernel, "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "weights_bytes": model.nbytes()}
+            **model.memory()}
 
 
 def kernels(args) -> dict:
@@ -169,7 +169,7 @@ def fidelity(args) -> dict:
         result[label + " vs float32"] = {"kld_mean": _kld(exact, engine),
                                          "top1_agreement": float((exact.argmax(-1) == engine.argmax(-1)).float().mean())}
         result[label] = {
-            "kernels": sorted({lin.kernel for layer in model.layers for lin in layer.mlp.values()}),
+            "kernels": sorted({lin.kernel for layer in model.layers for lin in layer.linears().values()}),
             "kld_mean": float(kld.mean()), "kld_max": float(kld.max()), "top1_agreement": float(top1),
             "greedy_equal_prefix": same, "max_abs_logit_diff": float((engine - forced).abs().max()),
             "logit_scale": float(forced.abs().max()), "cuda_graph": step.graph is not None, "compiled": step.compiled,

@@ -85,7 +85,7 @@ class ChatSession:
         model = resolve_run_model(spec, self.store)
         key = (str(model.path), spec.tier.context)
         if key not in self._backends:
-            self._backends[key] = open_backend(model, context=spec.tier.context, store=self.store)
+            self._backends[key] = open_backend(model, context=spec.tier.context, store=self.store, vram=spec.tier.vram)
         return self._backends[key]
 
     def close(self) -> None:

@@ -121,12 +121,15 @@ def open_backend(
     library=None,
     threads: int | None = None,
     extra_args: dict | None = None,
+    vram: int | None = None,
 ) -> Backend:
     """Load the model on the backend its format needs.
 
     llama.cpp models run on the active build's library when it matches, placed by the planner
     (`placement="auto"`: all layers on the GPU when they fit, the plan's split when they do not,
     docs/placement.md) or as the caller says (a GpuPlacement; None: llama.cpp's own default).
+    int4-stream artifacts run in the engine, placed by the engine's map on a GPU ("auto") or as
+    the caller says (an EnginePlacement). vram: the tier's GPU budget (default: free memory).
     """
     kind = backend_for(model)
     options: dict = {"context_size": context, "n_threads": threads}
@@ -134,12 +137,18 @@ def open_backend(
         from gemmactl.llamacpp.library import select_library
 
         if placement == AUTO:
-            placement = gpu_placement(model.path, context, parallel=parallel, store=store)
+            placement = gpu_placement(model.path, context, parallel=parallel, store=store, vram=vram)
         extra = dict(extra_args or {})
         if placement is not None and placement.applied:
             options.update(n_gpu_layers=placement.n_gpu_layers, tensor_overrides=placement.tensor_overrides)
             extra.setdefault("swa_full", False)  # the plan sized the sliding layers' KV to the window
         options.update(library=library or select_library(store), placement=placement, extra_args=extra)
+    elif kind == "int4":
+        if placement == AUTO:
+            from gemmactl.plan.auto import engine_placement
+
+            placement = engine_placement(model.path, context, vram=vram, store=store)
+        options["placement"] = placement
     return backend_class(kind)(str(model.path), **options)
 
 
@@ -150,7 +159,8 @@ def open_model(ref: str, store: Store, *, accept: tuple[str, ...] = RUNNABLE, co
                         **options)
 
 
-def gpu_placement(model_path: Path, context: int, *, parallel: int = 1, store: Store | None = None) -> GpuPlacement:
+def gpu_placement(model_path: Path, context: int, *, parallel: int = 1, store: Store | None = None,
+                  vram: int | None = None) -> GpuPlacement:
     """Where llama.cpp should put a GGUF's layers on this machine, from the planner (headers only).
 
     A planner that cannot read the model leaves every layer offered to the GPU, and says why.
@@ -158,7 +168,14 @@ def gpu_placement(model_path: Path, context: int, *, parallel: int = 1, store: S
     try:
         from gemmactl.plan.auto import auto_placement
 
-        return auto_placement(Path(model_path), context, parallel=parallel, store=store)
+        free = None
+        if vram:
+            from gemmactl.machine import detect_machine
+            from gemmactl.plan.profile import gpu_free_bytes
+
+            gpus = detect_machine().gpus
+            free = min(vram, (gpu_free_bytes(gpus[0].index) or gpus[0].memory_bytes) if gpus else vram)
+        return auto_placement(Path(model_path), context, parallel=parallel, store=store, free_vram=free)
     except (GemmactlError, OSError, ValueError) as exc:
         return GpuPlacement.all_on_gpu(f"planner failed ({exc}): every layer offered to the GPU")
 

@@ -73,6 +73,7 @@ class Tier:
     speculative: Speculative | None = None
     flash_attn: str = "off"  # llama-server -fa when served: off, on or auto (FLASH_ATTN_MODES)
     backend_sampling: bool = False  # llama-server --backend-sampling when served: sample on the GPU, not the CPU
+    vram: int | None = None  # bytes of GPU memory the tier's placement may use (None: the GPU's free memory)
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ def _builtin_dir() -> Traversable:
 _TOP_KEYS = ("name", "description", "default_tier", "tiers")
 _TIER_KEYS = (
     "model", "backend", "context", "thinking", "sampling", "description", "make", "needs", "parallel", "speculative",
-    "flash_attn", "backend_sampling",
+    "flash_attn", "backend_sampling", "vram",
 )
 _SPECULATIVE_KEYS = ("type", "draft_model", "draft_max", "draft_min", "enabled")
 _SAMPLING_KEYS = tuple(f.name for f in fields(Sampling))
@@ -294,7 +295,22 @@ class _Reader:
             changes["flash_attn"] = self.flash_attn(values["flash_attn"])
         if "backend_sampling" in values:
             changes["backend_sampling"] = self.boolean(values["backend_sampling"])
+        if "vram" in values:
+            changes["vram"] = self.size(values["vram"])
         return Tier(name=name, model=model, **changes)  # type: ignore[arg-type]
+
+    def size(self, entry: _Field) -> int:
+        """A size such as 4G or 3.5GiB (docs/cli.md, sizes)."""
+        from gemmactl.errors import GemmactlError
+        from gemmactl.sizes import parse_size
+
+        text = _scalar(entry.value)
+        if not isinstance(entry.value, ScalarNode) or _is_null(entry.value) or isinstance(text, bool):
+            raise self.error(entry.value, f"{entry.path} must be a size such as 4G, got {_shown(entry.value)}")
+        try:
+            return parse_size(str(text), option=entry.path)
+        except GemmactlError as exc:
+            raise RecipeError(str(self.error(entry.value, exc.message)), hint=exc.hint) from None
 
     def flash_attn(self, entry: _Field) -> str:
         """One of FLASH_ATTN_MODES; YAML's true/false (also unquoted on/off) mean on/off."""

@@ -92,6 +92,36 @@ def test_engine_logits_and_greedy_tokens_equal_transformers(artifacts, kind):
         assert len(engine.caches) == 5  # the last five layers read their producers' caches
 
 
+@pytest.mark.parametrize("kind", ["e2b-tiny", "gemma3-tiny"])
+def test_every_placement_decodes_the_same_tokens(artifacts, kind):
+    """All resident, half streamed, all on the host, mixed with tables in host memory: the same
+    greedy tokens and logits (the CPU stands in for the device: the same copies, views and order)."""
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
+
+    artifact = artifacts(kind)
+    n = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64).spec.n_layers
+    placements = {
+        "resident": EnginePlacement.all_resident(n),
+        "half streamed": EnginePlacement((RESIDENT,) * (n // 2) + (STREAMED,) * (n - n // 2)),
+        "host": EnginePlacement((HOST,) * n, tables_on_host=True),
+        "mixed": EnginePlacement(tuple((STREAMED, HOST, RESIDENT)[i % 3] for i in range(n)), tables_on_host=True),
+    }
+    results = {}
+    for name, placement in placements.items():
+        engine = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64, placement=placement)
+        results[name] = engine_greedy(engine, PROMPT, STEPS, chunk=5)
+        if name == "half streamed":
+            memory = engine.memory()
+            assert engine.streamer.order == list(range(n // 2, n))
+            assert memory["link_bytes_per_token"] >= engine.streamer.bytes_per_step > 0
+            assert memory["staging_bytes"] == 2 * max(s.nbytes for s in engine.streamer.staged.values())
+    tokens, logits = results.pop("resident")
+    for name, (other_tokens, other_logits) in results.items():
+        assert other_tokens == tokens, name
+        assert torch.equal(other_logits, logits), name
+
+
 def test_chunked_prefill_equals_one_pass(artifacts):
     from gemmactl.runtime.engine.model import GemmaModel
 
@@ -148,11 +178,15 @@ def test_the_real_270m_through_the_engine(gemma3_hf_checkpoint, tmp_path):
     tokens, _ = engine_greedy(GemmaModel(artifact, device="cpu", dtype=torch.float32, context=256), prompt, 12)
     assert tokens == expected
     proc = subprocess.run([sys.executable, "-m", "gemmactl", "run", "--model", str(tmp_path / "art"), "--json",
-                           "--temperature", "0", "--max-tokens", "8", "What is the capital of France?"],
+                           "--stats", "--temperature", "0", "--max-tokens", "8", "What is the capital of France?"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert "Paris" in result["answer"] and result["model"]["backend"] == "int4"
+    engine = result["model"]["engine"]
+    assert engine["device"] == "cpu" and engine["placement"] == f"{artifact.config['num_hidden_layers']} resident"
+    assert engine["weights_device_bytes"] > 0 and engine["link_bytes_per_token"] == 0
+    assert "engine: cpu " in proc.stderr and "resident" in proc.stderr
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

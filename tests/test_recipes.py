@@ -246,6 +246,11 @@ MALFORMED = [
                  id="flash-attn-list"),
     pytest.param(MINIMAL + "    flash_attn:\n", "tiers.fast.flash_attn must be one of off, on, auto, got nothing", 4,
                  id="flash-attn-empty"),
+    pytest.param(MINIMAL + "    vram: lots\n", "tiers.fast.vram 'lots' is not a size", 4, id="vram-word"),
+    pytest.param(MINIMAL + "    vram: 4\n", "tiers.fast.vram '4' has no unit", 4, id="vram-no-unit"),
+    pytest.param(MINIMAL + "    vram: 0G\n", "tiers.fast.vram must be more than zero", 4, id="vram-zero"),
+    pytest.param(MINIMAL + "    vram: [4G]\n", "tiers.fast.vram must be a size such as 4G, got a list", 4,
+                 id="vram-list"),
 ]
 
 
@@ -410,3 +415,9 @@ def test_one_source_of_sampling_defaults():
     request, tier = GenerationRequest(prompt="x"), Sampling()
     for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "max_tokens"):
         assert getattr(request, name) == getattr(tier, name), name
+
+
+def test_vram_is_a_binary_size_and_absent_by_default():
+    assert parse_recipe(MINIMAL).tiers["fast"].vram is None
+    assert parse_recipe(MINIMAL + "    vram: 3.5G\n").tiers["fast"].vram == int(3.5 * 2**30)
+    assert parse_recipe(MINIMAL + "    vram: 4096MiB\n").tiers["fast"].vram == 4 * 2**30

@@ -118,7 +118,7 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
     hf_model = _hf_model(config.hf_model, model_path, store)
 
     progress(f"loading {model_path.name}")
-    backend, context_note = _load_fitting(model, spec.tier.context, request, prompts, config, store)
+    backend, context_note = _load_fitting(model, spec.tier, request, prompts, config, store)
     # Every llama.cpp target runs with gemmactl's placement, so they measure the same configuration.
     placement = backend.placement
     settings = TargetSettings(
@@ -235,11 +235,11 @@ def _speculative(config: BenchConfig, tier, store: Store) -> tuple[tuple[str, ..
                   "draft_max_from": origin, "server_args": list(args)}
 
 
-def _load_fitting(model, tier_context, request, prompts, config: BenchConfig, store: Store):
+def _load_fitting(model, tier, request, prompts, config: BenchConfig, store: Store):
     """gemmactl's backend with a context that holds the longest prompt plus --max-tokens (and why, if raised)."""
     from gemmactl.generate import open_backend
 
-    backend = open_backend(model, context=config.context or tier_context, store=store)
+    backend = open_backend(model, context=config.context or tier.context, store=store, vram=tier.vram)
     try:
         longest = max(len(backend.prepare(replace(request, prompt=p.text)).tokens) for p in _all_prompts(prompts, config))
     except BaseException:
@@ -257,7 +257,7 @@ def _load_fitting(model, tier_context, request, prompts, config: BenchConfig, st
         )
     note = f"raised from the tier's {backend.context_size} to fit {longest} prompt + {config.max_tokens} tokens"
     # llama_cpp is imported by now with the library chosen for the first load: select_library reuses it.
-    return open_backend(model, context=_round_up(needed), store=store), note
+    return open_backend(model, context=_round_up(needed), store=store, vram=tier.vram), note
 
 
 def _extra_buffers() -> bool:

@@ -143,7 +143,7 @@ class GemmactlTarget:
 
     def info(self) -> dict:
         return {"backend": self.backend.name, "library": self.backend.library, "threads": self.backend.threads,
-                "context": self.backend.context_size}
+                "context": self.backend.context_size, **self.backend.describe()}
 
     def close(self) -> None:
         self.backend.close()

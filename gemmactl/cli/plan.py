@@ -41,6 +41,9 @@ def plan(model, vram, ram, context, parallel, backend, quant, hardware, remeasur
 
     if json_mode and out:
         raise click.UsageError("pass either --json or --out, not both")
+    if verify and backend == "int4":
+        raise click.UsageError("--verify runs llama.cpp's plan; measure the int4 engine with "
+                               "`gemmactl bench --model MODEL` (a tier's `vram` sets its budget)")
     if out:
         from pathlib import Path
 
@@ -101,11 +104,13 @@ def render(data: dict) -> str:
         f"budget: VRAM {format_size(budget['vram_bytes'])}, RAM {format_size(budget['ram_bytes'])}; context {data['context']} × {data['parallel']}",
         "",
     ]
+    engine = data.get("engine")
     rows = []
     for layer in data["layers"]:
         b = layer["bytes"]
         rows.append([
-            str(layer["index"]), "sliding" if layer["sliding"] else "full", layer["device"],
+            str(layer["index"]), "sliding" if layer["sliding"] else "full",
+            engine["layers"][layer["index"]] if engine else layer["device"],
             layer["experts_device"] or "-", f"{(b['attention'] + b['mlp'] + b['per_layer']) / 2**20:.1f}",
             f"{b['experts'] / 2**20:.1f}", f"{b['kv'] / 2**20:.1f}",
         ])
@@ -113,6 +118,8 @@ def render(data: dict) -> str:
     lines.append("")
     for item in data["globals"]:
         lines.append(f"{item['name']}: {item['device']} ({item['bytes'] / 2**20:.1f} MiB)")
+    if engine:
+        return "\n".join(lines + _render_engine(data, engine))
     gpu, cpu = totals["gpu"], totals["cpu"]
     lines += [
         "",
@@ -134,3 +141,21 @@ def render(data: dict) -> str:
             f"({'within' if v['within_budget'] else 'OVER'} budget)"
         )
     return "\n".join(lines)
+
+
+def _render_engine(data: dict, engine: dict) -> list[str]:
+    """The int4 engine's map: where its layers go, its memory and link traffic, its predicted rate."""
+    counts, gpu = engine["counts"], engine["gpu_bytes"]
+    parts = ", ".join(f"{name} {format_size(gpu[key])}" for key, name in (
+        ("reserve", "reserve"), ("globals", "head"), ("tables", "tables"), ("kv", "KV"), ("work", "work"),
+        ("layers", "layers"), ("staging", "staging")) if gpu.get(key))
+    lines = [
+        "",
+        f"engine: {counts['resident']} layers on the GPU, {counts['streamed']} streamed, {counts['host']} on the CPU; "
+        f"embedding tables {'in host memory' if engine['tables'] == 'host' else 'on the GPU'}",
+        f"GPU: {format_size(gpu['total'])} of {format_size(data['budget']['vram_bytes'])} ({parts}); "
+        f"least that works: {format_size(engine['minimum_vram_bytes'])}",
+        f"host memory: {format_size(engine['host_bytes'])}; over the link per token: {format_size(engine['link_bytes_per_token'])}",
+        f"predicted: decode {engine['decode_tok_s']:.1f} tok/s",
+    ]
+    return lines + [f"note: {note}" for note in data["notes"]]

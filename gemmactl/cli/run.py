@@ -58,7 +58,7 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
     store = Store()
     with byte_progress("assembling the embedded model", progress_enabled(json_mode)) as progress:
         resolved = resolve_run_model(spec, store, progress=progress)
-    backend = open_backend(resolved, context=spec.tier.context, store=store)
+    backend = open_backend(resolved, context=spec.tier.context, store=store, vram=spec.tier.vram)
     if not json_mode:
         for notice in backend.notices:
             warn(notice)
@@ -74,6 +74,7 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
                 printer.write(event.channel, event.text)
         if printer:
             printer.finish()
+        described = backend.describe()  # while the model is still loaded
     finally:
         backend.close()
 
@@ -97,6 +98,7 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
                     "path": str(resolved.path),
                     "backend": backend.name,
                     "library": backend.library,
+                    **({"engine": described} if described else {}),
                 },
                 "notices": backend.notices,
                 **({"empty_answer": final.why_empty()} if empty else {}),
@@ -104,7 +106,7 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
             }
         )
     if stats:
-        click.echo(_stats_text(spec, resolved.path, final, backend), err=True)
+        click.echo(_stats_text(spec, resolved.path, final, backend, described), err=True)
 
 
 def _read_stdin() -> str:
@@ -114,7 +116,7 @@ def _read_stdin() -> str:
     return sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
 
 
-def _stats_text(spec, model_path, s, backend) -> str:
+def _stats_text(spec, model_path, s, backend, engine: dict) -> str:
     route = spec.route
     thinking = "on" if spec.request.thinking else "off"
     lines = [
@@ -131,7 +133,23 @@ def _stats_text(spec, model_path, s, backend) -> str:
     placement = backend.placement
     if placement is not None and placement.applied:
         lines.append(f"placement: {placement.reason}; llama.cpp {' '.join(placement.server_args)}")
+    if engine:
+        lines.append(_engine_text(engine))
     return "\n".join(lines)
+
+
+def _engine_text(d: dict) -> str:
+    """The int4 engine's choices in one line (runtime/engine/backend.EngineBackend.describe)."""
+    capture = "CUDA graph" if d.get("cuda_graph") else "eager"
+    if d.get("compiled"):
+        capture = f"compiled, {capture}"
+    text = (f"engine: {d['device']} {d['dtype']}, {'/'.join(d['kernels'])}, {capture}; {d['placement']}; "
+            f"weights {format_size(d['weights_device_bytes'])} {'on the GPU' if d['device'] != 'cpu' else 'in memory'}")
+    if d.get("weights_host_bytes"):
+        text += f", {format_size(d['weights_host_bytes'])} in host memory"
+    if d.get("link_bytes_per_token"):
+        text += f"; {format_size(d['link_bytes_per_token'])} over the link per token"
+    return text
 
 
 def _rate(value: float | None) -> str:

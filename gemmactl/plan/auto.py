@@ -145,3 +145,26 @@ def auto_parallel(
         return 1, f"parallel auto: 1 slot (the whole model with one {context}-token slot does not fit {where})"
     plural = "slot" if best == 1 else "slots"
     return best, f"parallel auto: {best} {plural} of {context} tokens fit {where} with the whole model"
+
+
+def engine_placement(artifact: Path, context: int, *, vram: int | None = None, machine: Machine | None = None,
+                     store=None):
+    """The engine's placement of an int4-stream artifact on this machine's GPU (None without one:
+    the CPU runs it all). vram: the tier's budget (default: the GPU's free memory). A budget too
+    small for the engine raises BudgetTooSmallError with the minimum that works."""
+    from gemmactl.plan.engine_map import plan_engine
+    from gemmactl.plan.profile import DEFAULT_PROFILE, cached_profile, gpu_free_bytes, load_profile
+    from gemmactl.runtime.engine.placement import EnginePlacement
+    from gemmactl.store import Store
+
+    machine = machine or detect_machine()
+    if not machine.gpus:
+        return None
+    store = store or Store()
+    gpu = machine.gpus[0]
+    free = gpu_free_bytes(gpu.index) or gpu.memory_bytes
+    budget = min(vram, free) if vram else free
+    profile = cached_profile(store.home / "plan", machine) or load_profile(DEFAULT_PROFILE)
+    profile = replace(profile, vram_bytes=gpu.memory_bytes, ram_bytes=machine.ram_bytes or profile.ram_bytes)
+    chosen = plan_engine(Path(artifact), profile, budget, context)
+    return EnginePlacement(chosen.layers, chosen.tables_on_host, chosen.reason)

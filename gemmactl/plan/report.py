@@ -22,6 +22,7 @@ class PlanResult:
     model_path: Path
     hardware_measured: bool = False  # the profile was measured by this run
     warnings: list[str] = field(default_factory=list)
+    engine: object | None = None  # plan/engine_map.EngineMap: the int4 engine's map of an int4-stream artifact
 
 
 def resolve_plan_model(ref: str, store) -> Path:
@@ -103,11 +104,18 @@ def build_plan(
     budget = Budget(vram_bytes if profile.has_gpu else 0, ram_bytes)
     plan = plan_placement(inventory, profile, budget, context=context, parallel=parallel)
     plan.budget = Budget(vram_bytes, ram_bytes)
-    plan.notes = notes + _plan_notes(plan, backend, quant)
-    return PlanResult(plan, path, measured, warnings)
+    engine = None
+    if backend == "int4" and inventory.source == "int4-stream":
+        from gemmactl.plan.engine_map import plan_engine
+
+        engine = plan_engine(path, profile, vram_bytes, context) if profile.has_gpu else None
+    plan.notes = notes + _plan_notes(plan, backend, quant, engine)
+    return PlanResult(plan, path, measured, warnings, engine)
 
 
-def _plan_notes(plan: Plan, backend: str, quant: str | None) -> list[str]:
+def _plan_notes(plan: Plan, backend: str, quant: str | None, engine) -> list[str]:
+    if backend == "int4":
+        return _engine_notes(plan, engine)
     notes = []
     if plan.inventory.source == "config" and quant is None:
         notes.append(f"no --quant given: planned for {plan.inventory.quantization}, the GGUF type the fast tier runs; "
@@ -118,8 +126,20 @@ def _plan_notes(plan: Plan, backend: str, quant: str | None) -> list[str]:
         notes.append(f"experts of {len(plan.placement.cpu_expert_layers)} GPU layers stay in RAM (only the active experts are read per token)")
     if plan.inventory.source == "config":
         notes.append(f"sizes are estimated from config.json at {plan.inventory.quantization}; no weights were read")
-    if backend == "int4":
-        notes.append("the int4 backend places modules by the device_map; llama_cpp_args do not apply")
+    return notes
+
+
+def _engine_notes(plan: Plan, engine) -> list[str]:
+    """The int4 backend is the engine: its own map (plan/engine_map.py) replaces llama.cpp's placement."""
+    if plan.inventory.source != "int4-stream":
+        return ["the int4 engine runs int4-stream artifacts: make one with `gemmactl quantize MODEL --int4-stream`, "
+                "then plan it with --backend int4 for the engine's map; the layers above are llama.cpp's view"]
+    if engine is None:
+        return ["no GPU in this profile: the engine runs every layer on the CPU"]
+    notes = ["llama_cpp_args and device_map are llama.cpp's and transformers' views; the engine follows the "
+             "'engine' map"]
+    if plan.parallel > 1:
+        notes.append("the engine decodes one sequence at a time; --parallel applies to llama.cpp tiers")
     return notes
 
 
@@ -175,6 +195,8 @@ def plan_dict(plan: Plan, result: PlanResult | None = None, verified=None) -> di
         "device_map": torch_device_map(plan),
         "notes": list(plan.notes),
     }
+    if result is not None and result.engine is not None:
+        data["engine"] = result.engine.to_dict()
     if verified is not None:
         data["verify"] = verified.to_dict()
     return data

@@ -239,6 +239,10 @@ class Backend(Protocol):
     def engine_timings(self) -> EngineTimings | None:
         """Timings of the last generation as the engine measured them, if it can."""
 
+    def describe(self) -> dict:
+        """What it chose beyond the fields above (kernels, placement, memory): for --stats, --json
+        and bench; {} when there is nothing more to say."""
+
     def close(self) -> None:
         """Free the model."""
 
@@ -250,6 +254,9 @@ class PromptedBackend:
     library: str | None = None
     placement: GpuPlacement | None = None
     notices: list[str] = []
+
+    def describe(self) -> dict:
+        return {}
 
     def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         built = build_prompt(request.conversation(), self.model_text(), thinking=request.thinking, raw=request.raw)

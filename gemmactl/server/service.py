@@ -63,6 +63,7 @@ class BackendPlan:
     slots_note: str = ""  # why a `parallel: auto` tier got its slots
     flash_attn: str = "off"  # llama-server -fa (the tiers' recipe flash_attn)
     backend_sampling: bool = False  # llama-server --backend-sampling (the tiers' recipe backend_sampling)
+    vram: int | None = None  # the tiers' GPU budget for an in-process backend's placement
 
 
 def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_build: bool
@@ -105,7 +106,7 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
             for field, value in (("flash_attn", tier.flash_attn != "off"), ("backend_sampling", tier.backend_sampling)):
                 if value:
                     warnings.append(f"tier {name}: {field} needs llama-server; it is off for this tier")
-            key = (kind, str(path), tier.context)
+            key = (kind, str(path), tier.context, tier.vram)
             spec_args, spec_note = (), "off"
         if key in plans:
             plans[key].tiers.append(name)
@@ -113,7 +114,8 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
             parallel = slots if kind == "llama-server" else 1
             served = kind == "llama-server"
             plans[key] = BackendPlan(key, kind, model, [name], tier.context, parallel, spec_args, spec_note, slots_note,
-                                     tier.flash_attn if served else "off", tier.backend_sampling and served)
+                                     tier.flash_attn if served else "off", tier.backend_sampling and served,
+                                     None if served else tier.vram)
     return list(plans.values()), unavailable, warnings
 
 
@@ -232,7 +234,7 @@ class Service:
                      plan.parallel, plan.context, plan.flash_attn, "on" if plan.backend_sampling else "off", note,
                      backend.info.speculative, time.perf_counter() - started)
             return backend
-        loaded = open_backend(plan.model, context=plan.context, store=self.store, threads=threads)
+        loaded = open_backend(plan.model, context=plan.context, store=self.store, threads=threads, vram=plan.vram)
         for notice in loaded.notices:
             log.warning(notice)
         log.info("tiers %s: %s in process, one request at a time (%.1f s)", ",".join(plan.tiers), plan.kind,

@@ -55,7 +55,7 @@ class EngineBackend(PromptedBackend):
     name = "int4"
 
     def __init__(self, model_path: str, *, context_size: int = 4096, n_threads: int | None = None,
-                 device: str = "auto", dtype=None):
+                 device: str = "auto", dtype=None, placement=None):
         import torch
         from transformers import AutoTokenizer
 
@@ -80,8 +80,11 @@ class EngineBackend(PromptedBackend):
         self.context_size = min(context_size, limit)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            # A GPU plan's placement; on the CPU every layer is simply there.
+            placement = placement if self.device.startswith("cuda") else None
             with torch.inference_mode():
-                self.model = GemmaModel(artifact, device=self.device, dtype=self.dtype, context=self.context_size)
+                self.model = GemmaModel(artifact, device=self.device, dtype=self.dtype, context=self.context_size,
+                                        placement=placement)
             self.decoder = DecodeStep(self.model, cache_dir=Path(artifact.path) / "engine-cache" / "inductor")
         except (OSError, ValueError, KeyError) as exc:
             raise BackendError(f"could not load {model_path}: {exc}", hint=DEBUG_HINT) from exc
@@ -92,13 +95,15 @@ class EngineBackend(PromptedBackend):
         self.stop_ids = self._stop_ids(artifact.config)
         self._timings: EngineTimings | None = None
         self.notices = []
+        if placement is not None and not placement.resident_only:
+            self.notices.append(f"{placement.reason or 'placed'}: {placement.summary()}")
 
-    def info(self) -> dict:
-        """What the engine chose (for --stats and bench)."""
-        kernels = sorted({lin.kernel for layer in self.model.layers for lin in layer.mlp.values()})
+    def describe(self) -> dict:
+        """What the engine chose: device, dtype, kernels, placement, capture, memory."""
+        kernels = sorted({lin.kernel for layer in self.model.layers for lin in layer.linears().values()})
         return {"device": self.device, "dtype": str(self.dtype).removeprefix("torch."), "kernels": kernels,
-                "cuda_graph": self.decoder.graph is not None, "compiled": self.decoder.compiled,
-                "weights_bytes": self.model.nbytes(), "setup_s": round(self.decoder.setup_s, 3)}
+                "placement": self.model.placement.summary(), "cuda_graph": self.decoder.graph is not None,
+                "compiled": self.decoder.compiled, "setup_s": round(self.decoder.setup_s, 3), **self.model.memory()}
 
     # -- Backend protocol ------------------------------------------------------------------------
 
@@ -186,5 +191,6 @@ def open_int4_backend(model_path: str, **options):
     if os.environ.get(ENGINE_ENV, "auto").lower() in ("off", "0", "false") or config.get("enable_moe_block"):
         from gemmactl.runtime.int4_backend import Int4Backend
 
+        options.pop("placement", None)  # it places nothing: one device for the whole model
         return Int4Backend(model_path, **options)
     return EngineBackend(model_path, **options)

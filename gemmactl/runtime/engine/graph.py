@@ -19,11 +19,13 @@ COMPILE_ENV = "GEMMACTL_ENGINE_COMPILE"  # auto (on for CUDA) | on | max (induct
 GRAPH_ENV = "GEMMACTL_ENGINE_GRAPH"  # auto (on for CUDA) | off
 
 
-def wanted(env: str, device: torch.device) -> bool:
+def wanted(env: str, model) -> bool:
+    """Whether to compile / capture: on CUDA by default, and never for a model that streams layers
+    or runs some on the host (copies between streams and host compute stay eager)."""
     setting = os.environ.get(env, "auto").lower()
-    if setting in ("off", "0", "false"):
+    if setting in ("off", "0", "false") or not model.placement.resident_only:
         return False
-    return device.type == "cuda" if setting == "auto" else True
+    return model.device.type == "cuda" if setting == "auto" else True
 
 
 class DecodeStep:
@@ -39,7 +41,7 @@ class DecodeStep:
         self.setup_s = 0.0
         step = model.step
         start = time.perf_counter()
-        if wanted(COMPILE_ENV, device):
+        if wanted(COMPILE_ENV, model):
             if cache_dir is not None:
                 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
             autotune = os.environ.get(COMPILE_ENV, "").lower() == "max"
@@ -47,7 +49,7 @@ class DecodeStep:
                                  dynamic=False)
             self.compiled = True
         self._step = step
-        if wanted(GRAPH_ENV, device):
+        if wanted(GRAPH_ENV, model):
             self._capture()
         self.setup_s = time.perf_counter() - start
 

@@ -41,8 +41,16 @@ class Linear:
 
         return F.linear(x, self.weight)
 
+    def tensors(self) -> dict:
+        """The tensors that hold the weight, by name (what streaming copies)."""
+        return {"weight": self.weight}
+
+    def with_tensors(self, tensors: dict) -> "Linear":
+        """The same weight held in other tensors of the same shapes (a staging copy)."""
+        return Linear(tensors["weight"])
+
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
 class Int4Linear(Linear):
@@ -64,14 +72,32 @@ class Int4Linear(Linear):
                                                 self.scales_and_zeros)
         return y.reshape(*shape[:-1], self.out_features)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
+    def tensors(self) -> dict:
+        return {"packed": self.packed, "scales_and_zeros": self.scales_and_zeros}
+
+    def with_tensors(self, tensors: dict) -> "Int4Linear":
+        return Int4Linear(tensors["packed"], tensors["scales_and_zeros"], self.group_size, self.out_features,
+                          self.in_features)
 
 
 def tinygemm_fits(record) -> bool:
-    out_features, in_features = record.shape
-    return (record.group_size in TINYGEMM_GROUPS and in_features % (INNER_K_TILES * 16) == 0
-            and out_features % 8 == 0 and in_features % record.group_size == 0)
+    return _tinygemm_fits(tuple(record.shape), record.group_size)
+
+
+def _tinygemm_fits(shape: tuple, group_size: int | None) -> bool:
+    out_features, in_features = shape
+    return (group_size in TINYGEMM_GROUPS and in_features % (INNER_K_TILES * 16) == 0
+            and out_features % 8 == 0 and in_features % group_size == 0)
+
+
+def linear_bytes(scheme: str, shape: tuple, group_size: int | None, *, cuda: bool, dtype_bytes: int = 2) -> int:
+    """Bytes make_linear allocates for a stored matrix (the planner's rule and the engine's, one place):
+    int4 in tinygemm's layout on CUDA (codes at half a byte, bfloat16 scale and zero′ per group),
+    everything else dense in the compute dtype."""
+    out_features, in_features = shape
+    if cuda and scheme == "int4" and _tinygemm_fits((out_features, in_features), group_size):
+        return out_features * in_features // 2 + (in_features // group_size) * out_features * 2 * 2
+    return out_features * in_features * dtype_bytes
 
 
 def make_linear(artifact, record, device, dtype, cache=None) -> Linear:

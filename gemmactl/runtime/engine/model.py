@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from gemmactl.runtime.engine.kernels import Linear, RepackCache, make_linear
+from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
+from gemmactl.runtime.engine.streaming import LayerStreamer, StagedLayer
 from gemmactl.runtime.engine.spec import SLIDING, LayerSpec, ModelSpec, model_spec, rope_tables
 
 
@@ -93,15 +95,38 @@ class Layer:
         gate = F.gelu(self.mlp["gate"](x), approximate="tanh")
         return self.mlp["down"](gate * self.mlp["up"](x))
 
+    def linears(self) -> dict:
+        """Every matrix of the layer by name (what placement moves)."""
+        a, found = self.attn, {}
+        for name, linear in (("q", a.q), ("k", a.k), ("v", a.v), ("o", a.o), *self.mlp.items(),
+                             *((f"per_layer_{k}", v) for k, v in (self.per_layer or {}).items())):
+            if linear is not None:
+                found[name] = linear
+        return found
+
+    def with_linears(self, linears: dict) -> "Layer":
+        """The same layer with its matrices held elsewhere (None: without them)."""
+        get = linears.get
+        attn = Attention(get("q"), get("k"), get("v"), get("o"), self.attn.q_norm, self.attn.k_norm, self.attn.v_norm)
+        mlp = {key: get(key) for key in self.mlp}
+        per_layer = {key: get(f"per_layer_{key}") for key in self.per_layer} if self.per_layer is not None else None
+        return Layer(self.spec, attn, self.norms, mlp, per_layer, self.layer_scalar)
+
 
 class GemmaModel:
-    """A Gemma text model on one device, with its caches, ready to step."""
+    """A Gemma text model on a device (layers resident, streamed or on the host), with its caches,
+    ready to step."""
 
-    def __init__(self, artifact, *, device: str, dtype: torch.dtype, context: int):
+    def __init__(self, artifact, *, device: str, dtype: torch.dtype, context: int,
+                 placement: EnginePlacement | None = None):
         self.artifact = artifact
         self.device, self.dtype, self.context = torch.device(device), dtype, context
+        self.host = torch.device("cpu")
         shapes = {r.name: (r.stack_shape or r.shape) for r in artifact.records}
         self.spec: ModelSpec = model_spec(artifact.config, shapes)
+        self.placement = placement or EnginePlacement.all_resident(self.spec.n_layers)
+        if len(self.placement.layers) != self.spec.n_layers:
+            raise ValueError(f"the placement has {len(self.placement.layers)} layers, the model {self.spec.n_layers}")
         if self.spec.moe:
             from gemmactl.errors import UnsupportedModelError
 
@@ -111,17 +136,29 @@ class GemmaModel:
         self.repack = RepackCache(artifact) if self.device.type == "cuda" else None
         spec = self.spec
         self.head = self._head()
-        self.embed = self._table("embed_tokens.weight")
-        if spec.tied and getattr(self.head, "q", None) is not None:
-            self.embed = ("int8", self.head.q, self.embed[2])  # one copy of the tied table's codes
+        tables = self.host if self.placement.tables_on_host else self.device
+        self.embed = self._table("embed_tokens.weight", tables)
         self.embed_scale = torch.tensor(spec.hidden ** 0.5, dtype=dtype, device=self.device)  # as transformers rounds it
         self.final_norm = self._norm("norm.weight")
         if spec.ple_dim:
-            self.ple_table = self._table("embed_tokens_per_layer.weight")
+            self.ple_table = self._table("embed_tokens_per_layer.weight", tables)
             self.ple_scale = torch.tensor(spec.ple_dim ** 0.5, dtype=dtype, device=self.device)
             self.ple_projection = self._linear("per_layer_model_projection.weight")
             self.ple_norm = self._norm("per_layer_projection_norm.weight")
-        self.layers = [self._layer(layer) for layer in spec.layers]
+        self.where = self.placement.layers
+        self.layers, staged = [], []
+        for layer_spec in spec.layers:
+            where = self.where[layer_spec.index]
+            layer = self._layer(layer_spec, self.host if where == HOST else self.device)
+            if where == STREAMED:
+                # Made in the device kernel's layout, then kept in (pinned) host memory only.
+                staged.append(StagedLayer(layer_spec.index, layer.linears(), pin=self.device.type == "cuda"))
+                layer = layer.with_linears({})
+            self.layers.append(layer)
+        self.streamer = LayerStreamer(staged, self.device) if staged else None
+        # The two staged versions of each streamed layer, one per staging area.
+        self.staged_layers = {item.index: [self.layers[item.index].with_linears(item.slots[slot]) for slot in range(2)]
+                              for item in staged}
         if self.repack is not None:
             self.repack.save()
         self.caches: dict[int, KVCache] = {}
@@ -129,9 +166,12 @@ class GemmaModel:
             if layer.owns_kv:
                 ring = layer.kind == SLIDING and 0 < spec.window < context
                 slots = spec.window if ring else context
-                self.caches[layer.index] = KVCache(slots, layer.kv_heads, layer.head_dim, ring, dtype, self.device)
-        self.rope = {kind: (cos.to(self.device), sin.to(self.device))
-                     for kind, (cos, sin) in rope_tables(artifact.config, context, dtype).items()}
+                home = self.host if self.where[layer.index] == HOST else self.device
+                self.caches[layer.index] = KVCache(slots, layer.kv_heads, layer.head_dim, ring, dtype, home)
+        tables = rope_tables(artifact.config, context, dtype)
+        self.devices = [self.device] + ([self.host] if HOST in self.where and self.host != self.device else [])
+        self.rope = {dev: {kind: (cos.to(dev), sin.to(dev)) for kind, (cos, sin) in tables.items()}
+                     for dev in self.devices}
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -141,51 +181,53 @@ class GemmaModel:
     def _record(self, short: str):
         return self.artifact.record(self._name(short))
 
-    def _linear(self, short: str) -> Linear:
-        return make_linear(self.artifact, self._record(short), self.device, self.dtype, self.repack)
+    def _linear(self, short: str, device=None) -> Linear:
+        device = device or self.device
+        return make_linear(self.artifact, self._record(short), device, self.dtype,
+                           self.repack if device.type == "cuda" else None)
 
-    def _norm(self, short: str, *, plain: bool = False) -> torch.Tensor | None:
+    def _norm(self, short: str, device=None) -> torch.Tensor | None:
         name = self._name(short)
         if name not in self.artifact.tensor_names():
             return None
-        w = self.artifact.load_tensor(name, self.device, torch.float32)
-        return w + 1.0 if self.spec.norm_plus_one and not plain else w
+        w = self.artifact.load_tensor(name, device or self.device, torch.float32)
+        return w + 1.0 if self.spec.norm_plus_one else w
 
-    def _table(self, short: str):
+    def _table(self, short: str, device):
         """An embedding table as stored (int8 rows + scales, or dense), for row gathers."""
         record = self._record(short)
-        parts = self.artifact.packed(record, self.device).parts
         if record.scheme == "int8":
+            parts = self.artifact.packed(record, device).parts
             return ("int8", parts["qweight"], parts["scales"])  # scales as stored (fp16), as the reference decodes
-        return ("dense", self.artifact.decode(record, self.device, self.dtype), None)
+        return ("dense", self.artifact.decode(record, device, self.dtype), None)
 
     def _head(self) -> Linear:
         if "lm_head.weight" in self.artifact.tensor_names():
             return self._linear("lm_head.weight")
         return make_linear(self.artifact, self._record("embed_tokens.weight"), self.device, self.dtype, self.repack)
 
-    def _layer(self, spec: LayerSpec) -> Layer:
+    def _layer(self, spec: LayerSpec, device) -> Layer:
         p = f"layers.{spec.index}."
         names = set(self.artifact.tensor_names())
         has = lambda short: self._name(p + short) in names  # noqa: E731
+        linear = lambda short: self._linear(p + short, device)  # noqa: E731
+        norm = lambda short: self._norm(p + short, device)  # noqa: E731
         attn = Attention(
-            q=self._linear(p + "self_attn.q_proj.weight"),
-            k=self._linear(p + "self_attn.k_proj.weight") if spec.owns_kv else None,
-            v=self._linear(p + "self_attn.v_proj.weight") if spec.owns_kv and not spec.k_eq_v else None,
-            o=self._linear(p + "self_attn.o_proj.weight"),
-            q_norm=self._norm(p + "self_attn.q_norm.weight"),
-            k_norm=self._norm(p + "self_attn.k_norm.weight") if spec.owns_kv else None,
+            q=linear("self_attn.q_proj.weight"),
+            k=linear("self_attn.k_proj.weight") if spec.owns_kv else None,
+            v=linear("self_attn.v_proj.weight") if spec.owns_kv and not spec.k_eq_v else None,
+            o=linear("self_attn.o_proj.weight"),
+            q_norm=norm("self_attn.q_norm.weight"),
+            k_norm=norm("self_attn.k_norm.weight") if spec.owns_kv else None,
             v_norm=self.spec.family == "gemma4",
         )
-        norms = {key: self._norm(p + f"{key}_layernorm.weight")
-                 for key in ("input", "post_attention", "pre_feedforward", "post_feedforward")}
-        mlp = {key: self._linear(p + f"mlp.{key}_proj.weight") for key in ("gate", "up", "down")}
+        norms = {key: norm(f"{key}_layernorm.weight") for key in ("input", "post_attention", "pre_feedforward", "post_feedforward")}
+        mlp = {key: linear(f"mlp.{key}_proj.weight") for key in ("gate", "up", "down")}
         per_layer = None
         if self.spec.ple_dim:
-            per_layer = {"gate": self._linear(p + "per_layer_input_gate.weight"),
-                         "projection": self._linear(p + "per_layer_projection.weight")}
-            norms["post_per_layer_input"] = self._norm(p + "post_per_layer_input_norm.weight")
-        scalar = self.artifact.load_tensor(self._name(p + "layer_scalar"), self.device, self.dtype) if has("layer_scalar") else None
+            per_layer = {"gate": linear("per_layer_input_gate.weight"), "projection": linear("per_layer_projection.weight")}
+            norms["post_per_layer_input"] = norm("post_per_layer_input_norm.weight")
+        scalar = self.artifact.load_tensor(self._name(p + "layer_scalar"), device, self.dtype) if has("layer_scalar") else None
         return Layer(spec, attn, norms, mlp, per_layer, scalar)
 
     # -- the forward pass ------------------------------------------------------------------------
@@ -231,24 +273,39 @@ class GemmaModel:
     def forward(self, x: torch.Tensor, per_layer_inputs: torch.Tensor | None, positions: torch.Tensor,
                 end: int | None = None) -> torch.Tensor:
         spec = self.spec
-        rope = {kind: (cos.index_select(0, positions), sin.index_select(0, positions))
-                for kind, (cos, sin) in self.rope.items()}
+        # Positions, rope rows and per-layer inputs on each device a layer runs on.
+        here = {}
+        for dev in self.devices:
+            at = positions.to(dev)
+            here[dev] = (at, {kind: (cos.index_select(0, at), sin.index_select(0, at))
+                              for kind, (cos, sin) in self.rope[dev].items()},
+                         per_layer_inputs.to(dev) if per_layer_inputs is not None else None)
+        if self.streamer is not None:
+            self.streamer.begin()
         for layer in self.layers:
             s = layer.spec
+            where = self.where[s.index]
+            if where == STREAMED:
+                layer = self.staged_layers[s.index][self.streamer.fetch(s.index)]
+            dev = self.host if where == HOST else self.device
+            x = x.to(dev)
+            at, rope, inputs = here[dev]
             residual = x
             h = rms_norm(x, layer.norms["input"], spec.eps)
-            h = self._attention(layer, h, positions, rope[s.kind], end)
+            h = self._attention(layer, h, at, rope[s.kind], end)
             x = residual + rms_norm(h, layer.norms["post_attention"], spec.eps)
             residual = x
             h = layer.feed_forward(rms_norm(x, layer.norms["pre_feedforward"], spec.eps))
             x = residual + rms_norm(h, layer.norms["post_feedforward"], spec.eps)
             if layer.per_layer is not None:
                 residual = x
-                g = F.gelu(layer.per_layer["gate"](x), approximate="tanh") * per_layer_inputs[:, s.index, :]
+                g = F.gelu(layer.per_layer["gate"](x), approximate="tanh") * inputs[:, s.index, :]
                 x = residual + rms_norm(layer.per_layer["projection"](g), layer.norms["post_per_layer_input"], spec.eps)
             if layer.layer_scalar is not None:
                 x = x * layer.layer_scalar
-        x = rms_norm(x[-1:], self.final_norm, spec.eps)  # [1, H]: only the last token's logits are needed
+            if where == STREAMED:
+                self.streamer.release(s.index)
+        x = rms_norm(x[-1:].to(self.device), self.final_norm, spec.eps)  # [1, H]: only the last token's logits
         logits = self.head(x)[0]  # [V]
         if spec.final_softcap:
             logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
@@ -260,7 +317,7 @@ class GemmaModel:
         t = h.shape[0]
         q = a.q(h).view(t, s.heads, s.head_dim)  # [T, N, D]
         q = rotate(rms_norm(q, a.q_norm, eps), cos, sin)
-        cache = self.caches[s.kv_from]
+        cache = self.caches[s.kv_from]  # a shared cache may live on the other device
         if s.owns_kv:
             k = a.k(h).view(t, s.kv_heads, s.head_dim)  # [T, K, D]
             v = a.v(h).view(t, s.kv_heads, s.head_dim) if a.v is not None else k
@@ -277,7 +334,10 @@ class GemmaModel:
                 return self._scores(layer, q, *keys, positions)
             cache.write(k, v, positions)
         held = cache.slots if end is None else min(cache.slots, end)  # a ring fills slots 0.. first
-        return self._scores(layer, q, cache.k[:held], cache.v[:held], cache.pos[:held], positions)
+        k, v, key_positions = cache.k[:held], cache.v[:held], cache.pos[:held]
+        if k.device != q.device:
+            k, v, key_positions = k.to(q.device), v.to(q.device), key_positions.to(q.device)
+        return self._scores(layer, q, k, v, key_positions, positions)
 
     def _scores(self, layer: Layer, q, k, v, key_positions, positions) -> torch.Tensor:
         """softmax(q kᵀ · scale + mask) v for q [T, N, D] over k, v [S, K, D]; returns [T, N·D] projected."""
@@ -296,14 +356,33 @@ class GemmaModel:
         out = torch.einsum("tkgs,skd->tkgd", weights, v).reshape(t, s.heads * s.head_dim)  # [T, N·D]
         return layer.attn.o(out)
 
-    def nbytes(self) -> int:
-        """Bytes the model's weights take on their devices (KV caches not included)."""
-        total = 0
+    def memory(self) -> dict:
+        """Bytes by place: weights on the device and in host memory, the staging areas, KV caches,
+        and what crosses the host link per decoded token (streamed layers, table rows, and the
+        activations into and out of host layers)."""
+        def size(t) -> int:
+            return t.numel() * t.element_size() if t is not None else 0
+
+        where = {"device": 0, "host": 0}
         for layer in self.layers:
-            for item in (layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, *layer.mlp.values(),
-                         *(layer.per_layer or {}).values()):
-                if item is not None:
-                    total += item.nbytes()
-        for kind, data, scales in [self.embed] + ([self.ple_table] if self.spec.ple_dim else []):
-            total += data.numel() * data.element_size() + (scales.numel() * scales.element_size() if scales is not None else 0)
-        return total + (self.head.nbytes() if self.head.kernel != "dense" or not self.spec.tied else 0)
+            place = "host" if self.where[layer.spec.index] == HOST else "device"
+            where[place] += sum(lin.nbytes() for lin in layer.linears().values())
+            where[place] += sum(size(n) for n in (*layer.norms.values(), layer.attn.q_norm, layer.attn.k_norm,
+                                                  layer.layer_scalar))
+        streamed = self.streamer.bytes_per_step if self.streamer is not None else 0
+        where["host"] += streamed
+        tables = [self.embed] + ([self.ple_table] if self.spec.ple_dim else [])
+        row_bytes = 0
+        for _, data, scales in tables:
+            where["host" if self.placement.tables_on_host else "device"] += size(data) + size(scales)
+            row_bytes += data.shape[1] * data.element_size() + (scales.element_size() if scales is not None else 0)
+        where["device"] += self.head.nbytes() + (self.ple_projection.nbytes() if self.spec.ple_dim else 0)
+        kv = {"device": 0, "host": 0}
+        for index, cache in self.caches.items():
+            kv["host" if cache.k.device.type == "cpu" and self.device.type != "cpu" else "device"] += size(cache.k) + size(cache.v)
+        crossings = sum(1 for a, b in zip((RESIDENT,) + self.where, self.where + (RESIDENT,))
+                        if (a == HOST) != (b == HOST))
+        link = streamed + (row_bytes if self.placement.tables_on_host else 0) + crossings * self.spec.hidden * 2
+        return {"weights_device_bytes": where["device"], "weights_host_bytes": where["host"],
+                "staging_bytes": self.streamer.staging_bytes if self.streamer is not None else 0,
+                "kv_device_bytes": kv["device"], "kv_host_bytes": kv["host"], "link_bytes_per_token": link}

@@ -1,0 +1,195 @@
+"""The engine's map: which layers of an int4-stream artifact stay on the GPU, stream, or run on the CPU.
+
+Sizes are the engine's own (runtime/engine/kernels.linear_bytes: int4 in tinygemm's layout, the
+rest bfloat16), read from the artifact's index. The GPU holds, in this order of need: the CUDA
+context (the profile's reserve), the head and the per-layer-input projection, every KV cache of
+a layer on the GPU (sliding layers their window), a working area for prefill chunks, then as many
+layers as fit. With layers left over, two staging areas of the largest streamed layer are kept
+too, and each leftover layer goes where its token costs less:
+
+- streamed: its int4 bytes cross the host link (pinned copies, overlapped with the previous
+  layer's compute): max(bytes ÷ host_to_device, bytes ÷ gpu_bandwidth) + gpu latency;
+- host: its bfloat16 weights are read by the CPU: dense bytes ÷ cpu_bandwidth + cpu latency,
+  plus two link latencies for the activations. A layer whose KV cache other layers share is
+  never put on the host (its cache would cross the link every token).
+
+Embedding tables go to host memory first when the whole does not fit: only the current tokens'
+rows cross the link. The predicted decode rate is the sum of those costs and the head's read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gemmactl.errors import BudgetTooSmallError
+from gemmactl.sizes import format_size
+
+CHUNK_TOKENS = 256  # the engine's prefill chunk (runtime/engine/backend.CHUNK)
+LINK_LATENCY_S = 10e-6  # one small host↔device copy
+MARGIN_BYTES = 64 << 20  # allocator rounding and small buffers
+
+
+@dataclass
+class LayerCost:
+    index: int
+    device_bytes: int  # weights in the GPU kernels' layout
+    dense_bytes: int  # weights in bfloat16 (what a host layer reads)
+    kv_bytes: int
+    shared: bool  # other layers read its KV cache
+
+
+@dataclass
+class EngineMap:
+    layers: tuple[str, ...]
+    tables_on_host: bool
+    gpu_bytes: dict[str, int] = field(default_factory=dict)  # reserve, globals, kv, work, layers, staging
+    host_bytes: int = 0
+    link_bytes_per_token: int = 0
+    decode_tok_s: float = 0.0
+    minimum_vram_bytes: int = 0
+    reason: str = ""
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(self.gpu_bytes.values())
+
+    def to_dict(self) -> dict:
+        counts = {kind: self.layers.count(kind) for kind in ("resident", "streamed", "host")}
+        return {"layers": list(self.layers), "counts": counts, "tables": "host" if self.tables_on_host else "gpu",
+                "gpu_bytes": {**self.gpu_bytes, "total": self.gpu_total}, "host_bytes": self.host_bytes,
+                "link_bytes_per_token": self.link_bytes_per_token, "decode_tok_s": round(self.decode_tok_s, 2),
+                "minimum_vram_bytes": self.minimum_vram_bytes, "reason": self.reason}
+
+
+def _costs(index: dict, spec, context: int) -> tuple[list[LayerCost], dict[str, int], dict[str, int]]:
+    """Per-layer costs, the GPU-side globals and the tables, from the artifact's index."""
+    from gemmactl.runtime.engine.kernels import linear_bytes
+
+    layers = {layer.index: [0, 0] for layer in spec.layers}
+    globals_ = {"head": 0, "projection": 0, "norms": 0}
+    tables = {"token": 0, "per_layer": 0}
+    names = set()
+    for record in index.get("tensors", []):
+        name, shape, scheme = record["name"], tuple(record["shape"]), record["scheme"]
+        names.add(name)
+        if name.endswith("embed_tokens_per_layer.weight"):
+            tables["per_layer"] += int(record["nbytes"])
+        elif name.endswith("embed_tokens.weight"):
+            tables["token"] += int(record["nbytes"])
+            if spec.tied:
+                globals_["head"] += linear_bytes("int8" if scheme == "int8" else scheme, shape, None, cuda=True)
+        elif name.endswith("lm_head.weight"):
+            globals_["head"] += linear_bytes(scheme, shape, record.get("group_size"), cuda=True)
+        elif len(shape) == 2 and record.get("layer") is not None:
+            cost = layers[int(record["layer"])]
+            cost[0] += linear_bytes(scheme, shape, record.get("group_size"), cuda=True)
+            cost[1] += linear_bytes(scheme, shape, record.get("group_size"), cuda=False)
+        elif len(shape) == 2:
+            globals_["projection"] += linear_bytes(scheme, shape, record.get("group_size"), cuda=True)
+        else:
+            globals_["norms"] += 4 * _count(shape)
+    readers = {layer.kv_from for layer in spec.layers if not layer.owns_kv}
+    costs = []
+    for layer in spec.layers:
+        kv = 0
+        if layer.owns_kv:
+            ring = layer.kind == "sliding_attention" and 0 < spec.window < context
+            kv = (spec.window if ring else context) * layer.kv_heads * layer.head_dim * 2 * 2 + (spec.window if ring else context) * 8
+        device_bytes, dense_bytes = layers[layer.index]
+        costs.append(LayerCost(layer.index, device_bytes, dense_bytes, kv, layer.index in readers))
+    return costs, globals_, tables
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _work_bytes(spec) -> int:
+    """Prefill activations of one chunk (the widest MLP, three live copies) and the logits."""
+    return CHUNK_TOKENS * spec.hidden * 2 * 8 + CHUNK_TOKENS * 4 * spec.hidden * 2 * 3 * 2 + spec.vocab * 4 * 2
+
+
+def plan_engine(artifact: Path, profile, vram_bytes: int, context: int) -> EngineMap:
+    """The engine's map for an int4-stream artifact under a VRAM budget (profile: the machine's)."""
+    from gemmactl.formats.int4.reader import read_index
+    from gemmactl.runtime.engine.spec import model_spec
+
+    index = read_index(Path(artifact))
+    shapes = {r["name"]: tuple(r.get("stack_shape") or r["shape"]) for r in index.get("tensors", [])}
+    spec = model_spec(index.get("config") or {}, shapes)
+    costs, globals_, tables = _costs(index, spec, context)
+    gpu_bw, link, cpu_bw = profile.gpu_bandwidth, profile.host_to_device, profile.cpu_bandwidth
+    fixed = {"reserve": profile.gpu_reserve_bytes, "globals": sum(globals_.values()), "work": _work_bytes(spec) + MARGIN_BYTES}
+    kv_all = sum(c.kv_bytes for c in costs)
+    table_bytes = sum(tables.values())
+
+    def resident_time(c: LayerCost) -> float:
+        return c.device_bytes / gpu_bw + profile.gpu_layer_latency_s
+
+    def streamed_time(c: LayerCost) -> float:
+        return max(c.device_bytes / link, c.device_bytes / gpu_bw) + profile.gpu_layer_latency_s
+
+    def host_time(c: LayerCost) -> float:
+        return c.dense_bytes / cpu_bw + profile.cpu_layer_latency_s + 2 * LINK_LATENCY_S
+
+    head_time = globals_["head"] / gpu_bw
+    largest = max(c.device_bytes for c in costs)
+    # The least that works: nothing resident, tables in RAM, staging for the largest layer.
+    minimum = sum(fixed.values()) + kv_all + 2 * largest
+    layers_total = sum(c.device_bytes for c in costs)
+    for tables_on_host in (False, True):
+        need = sum(fixed.values()) + kv_all + layers_total + (0 if tables_on_host else table_bytes)
+        if need <= vram_bytes:
+            gpu = {**fixed, "kv": kv_all, "tables": 0 if tables_on_host else table_bytes, "layers": layers_total, "staging": 0}
+            rate = 1.0 / (sum(resident_time(c) for c in costs) + head_time)
+            where = "in host memory" if tables_on_host else "on the GPU"
+            return EngineMap(("resident",) * len(costs), tables_on_host, gpu, table_bytes if tables_on_host else 0,
+                             _row_bytes(index) if tables_on_host else 0, rate, minimum,
+                             f"engine plan: every layer on the GPU, tables {where} "
+                             f"({format_size(need)} of {format_size(vram_bytes)})")
+    if minimum > vram_bytes:
+        raise BudgetTooSmallError(
+            f"the engine needs at least {format_size(minimum)} of GPU memory for this model at context {context} "
+            f"(CUDA context, head, KV caches, two staging areas of {format_size(largest)}); the budget is {format_size(vram_bytes)}",
+            hint=f"Give it {format_size(minimum)} or more, or a smaller --context.",
+        )
+    room = vram_bytes - sum(fixed.values()) - kv_all - 2 * largest
+    # Layers whose GPU residence saves the most time per byte go first (ties: lower index).
+    gain = {c.index: (min(streamed_time(c), host_time(c) if not c.shared else float("inf")) - resident_time(c))
+            / max(c.device_bytes, 1) for c in costs}
+    kinds = {}
+    for c in sorted(costs, key=lambda c: (-gain[c.index], c.index)):
+        if c.device_bytes <= room:
+            kinds[c.index] = "resident"
+            room -= c.device_bytes
+    for c in costs:
+        if c.index not in kinds:
+            kinds[c.index] = "host" if not c.shared and host_time(c) < streamed_time(c) else "streamed"
+    streamed = [c for c in costs if kinds[c.index] == "streamed"]
+    staging = 2 * max((c.device_bytes for c in streamed), default=0)
+    host_kv = sum(c.kv_bytes for c in costs if kinds[c.index] == "host")
+    layers = tuple(kinds[c.index] for c in costs)
+    seconds = head_time + sum({"resident": resident_time, "streamed": streamed_time, "host": host_time}[kinds[c.index]](c)
+                              for c in costs)
+    crossings = sum(1 for a, b in zip(("resident",) + layers, layers + ("resident",)) if (a == "host") != (b == "host"))
+    link_bytes = sum(c.device_bytes for c in streamed) + _row_bytes(index) + crossings * spec.hidden * 2
+    gpu = {**fixed, "kv": kv_all - host_kv, "tables": 0,
+           "layers": sum(c.device_bytes for c in costs if kinds[c.index] == "resident"), "staging": staging}
+    host = table_bytes + sum(c.device_bytes for c in streamed) + sum(c.dense_bytes for c in costs if kinds[c.index] == "host")
+    counts = {kind: layers.count(kind) for kind in ("resident", "streamed", "host")}
+    reason = (f"engine plan: {counts['resident']} layers on the GPU, {counts['streamed']} streamed, {counts['host']} on the CPU, "
+              f"tables in host memory ({format_size(sum(gpu.values()))} of {format_size(vram_bytes)})")
+    return EngineMap(layers, True, gpu, host, link_bytes, 1.0 / seconds, minimum, reason)
+
+
+def _row_bytes(index: dict) -> int:
+    """Bytes of one token's rows of the tables held in host memory."""
+    total = 0
+    for record in index.get("tensors", []):
+        if record["name"].endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight")):
+            total += int(record["nbytes"]) // int(record["shape"][0])
+    return total

@@ -1,0 +1,49 @@
+"""Where the engine keeps each layer (no torch here: the planner writes these).
+
+A layer is one of:
+- resident: its weights live on the device for good;
+- streamed: its weights (in the device kernel's layout) live in pinned host memory and are
+  copied into one of two staging areas on the device just before it runs; the copy of the next
+  streamed layer overlaps the compute of this one (a side CUDA stream and events);
+- host: it runs on the CPU (weights dequantized there, its KV cache there), the activations
+  crossing the link twice.
+
+Token and per-layer embedding tables may stay in host memory: only the rows of the current
+tokens cross the link. engine/streaming.py moves the streamed layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RESIDENT, STREAMED, HOST = "resident", "streamed", "host"
+KINDS = (RESIDENT, STREAMED, HOST)
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    """One kind per decoder layer, and where the embedding tables are."""
+
+    layers: tuple[str, ...]
+    tables_on_host: bool = False
+    reason: str = ""
+
+    @classmethod
+    def all_resident(cls, n_layers: int, reason: str = "every layer on the device") -> "EnginePlacement":
+        return cls((RESIDENT,) * n_layers, False, reason)
+
+    def __post_init__(self):
+        unknown = sorted(set(self.layers) - set(KINDS))
+        if unknown:
+            raise ValueError(f"unknown layer placement {unknown[0]!r} (one of {', '.join(KINDS)})")
+
+    @property
+    def resident_only(self) -> bool:
+        return all(kind == RESIDENT for kind in self.layers) and not self.tables_on_host
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k in self.layers if k == kind)
+
+    def summary(self) -> str:
+        parts = [f"{self.count(kind)} {kind}" for kind in KINDS if self.count(kind)]
+        return ", ".join(parts) + (", tables in host memory" if self.tables_on_host else "")

@@ -1,0 +1,138 @@
+"""The engine's map (plan/engine_map.py): what stays on the GPU, streams or runs on the CPU under a
+budget, and `plan --backend int4` showing it. Sizes come from a real int4-stream artifact of a tiny
+random Gemma 4 in the E2B arrangement (shared KV, per-layer inputs); the decode check runs the
+chosen placement through the engine on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import invoke
+from gemmactl.errors import BudgetTooSmallError
+from gemmactl.formats.int4.layout import QuantizeOptions
+from gemmactl.formats.int4.quantize import quantize_checkpoint
+from gemmactl.plan.engine_map import plan_engine
+from gemmactl.plan.profile import load_profile
+
+PROFILE = load_profile("desktop-4g")
+CONTEXT = 256
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    from helpers.random_gemma import build_random_gemma
+
+    folder = tmp_path_factory.mktemp("engine-map")
+    source = build_random_gemma("e2b-tiny", folder / "checkpoint")
+    quantize_checkpoint(source, folder / "artifact", QuantizeOptions(group_size=32, shard_size=1 << 30))
+    return folder / "artifact"
+
+
+def whole(artifact):
+    return plan_engine(artifact, PROFILE, 64 << 30, CONTEXT)
+
+
+def test_a_model_that_fits_is_all_on_the_gpu_with_its_tables(artifact):
+    chosen = whole(artifact)
+    assert set(chosen.layers) == {"resident"} and not chosen.tables_on_host
+    assert chosen.gpu_bytes["tables"] > 0 and chosen.link_bytes_per_token == 0 and chosen.host_bytes == 0
+    assert chosen.minimum_vram_bytes < chosen.gpu_total
+    assert "every layer on the GPU, tables on the GPU" in chosen.reason
+
+
+def test_the_tables_leave_the_gpu_before_any_layer(artifact):
+    tables = whole(artifact).gpu_bytes["tables"]
+    budget = whole(artifact).gpu_total - tables + 1
+    chosen = plan_engine(artifact, PROFILE, budget, CONTEXT)
+    assert set(chosen.layers) == {"resident"} and chosen.tables_on_host
+    assert chosen.gpu_total <= budget and chosen.host_bytes == tables
+    assert 0 < chosen.link_bytes_per_token < tables  # one token's rows, not the tables
+
+
+def test_a_tight_budget_streams_or_hosts_the_rest_and_stays_within_it(artifact):
+    from gemmactl.runtime.engine.spec import model_spec
+
+    minimum = whole(artifact).minimum_vram_bytes
+    chosen = plan_engine(artifact, PROFILE, minimum, CONTEXT)
+    assert "resident" not in chosen.layers and chosen.gpu_total <= minimum
+    assert chosen.gpu_bytes["staging"] > 0 and chosen.link_bytes_per_token > 0
+    # A layer whose KV cache other layers read never goes to the CPU.
+    from gemmactl.formats.int4.reader import read_index
+
+    index = read_index(artifact)
+    spec = model_spec(index["config"], {r["name"]: tuple(r.get("stack_shape") or r["shape"]) for r in index["tensors"]})
+    producers = {layer.kv_from for layer in spec.layers if not layer.owns_kv}
+    assert producers and all(chosen.layers[i] == "streamed" for i in producers)
+
+
+def test_more_memory_never_predicts_a_slower_decode(artifact):
+    minimum, top = whole(artifact).minimum_vram_bytes, whole(artifact).gpu_total
+    previous = None
+    for budget in range(minimum, top + 1, max((top - minimum) // 8, 1)):
+        chosen = plan_engine(artifact, PROFILE, budget, CONTEXT)
+        assert chosen.gpu_total <= budget
+        if previous is not None:
+            assert chosen.layers.count("resident") >= previous.layers.count("resident")
+            assert chosen.decode_tok_s >= previous.decode_tok_s
+        previous = chosen
+
+
+def test_below_the_minimum_the_error_names_it(artifact):
+    minimum = whole(artifact).minimum_vram_bytes
+    with pytest.raises(BudgetTooSmallError) as caught:
+        plan_engine(artifact, PROFILE, minimum - 1, CONTEXT)
+    from gemmactl.sizes import format_size
+
+    assert format_size(minimum) in caught.value.message
+
+
+def test_the_planned_placement_decodes_what_the_resident_one_does(artifact):
+    from gemmactl.formats.int4.reader import open_artifact
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.engine.placement import EnginePlacement
+    from test_engine import PROMPT, engine_greedy
+
+    chosen = plan_engine(artifact, PROFILE, whole(artifact).minimum_vram_bytes, CONTEXT)
+    opened = open_artifact(artifact)
+    placed = GemmaModel(opened, device="cpu", dtype=torch.float32, context=64,
+                        placement=EnginePlacement(chosen.layers, chosen.tables_on_host, chosen.reason))
+    resident = GemmaModel(opened, device="cpu", dtype=torch.float32, context=64)
+    assert engine_greedy(placed, PROMPT, 16, chunk=5)[0] == engine_greedy(resident, PROMPT, 16, chunk=5)[0]
+
+
+def test_plan_backend_int4_shows_the_engine_map(artifact, runner):
+    result = invoke(runner, ["plan", str(artifact), "--backend", "int4", "--hardware", "desktop-4g", "--json",
+                             "--context", str(CONTEXT)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    engine = data["engine"]
+    assert engine["counts"] == {"resident": data["model"]["layers"], "streamed": 0, "host": 0}
+    assert engine["gpu_bytes"]["total"] <= data["budget"]["vram_bytes"]
+    assert any("the engine follows the 'engine' map" in note for note in data["notes"])
+
+    budget = str(whole(artifact).minimum_vram_bytes)
+    text = invoke(runner, ["plan", str(artifact), "--backend", "int4", "--hardware", "desktop-4g", "--vram",
+                           budget + "B", "--context", str(CONTEXT)])
+    assert text.exit_code == 0, text.output
+    assert "engine: 0 layers on the GPU" in text.output and "streamed" in text.output
+
+
+def test_plan_backend_int4_under_the_minimum_is_one_line(artifact, runner):
+    short = f"{whole(artifact).minimum_vram_bytes - 1}B"  # llama.cpp's view still fits it: the engine's says no
+    result = invoke(runner, ["plan", str(artifact), "--backend", "int4", "--hardware", "desktop-4g",
+                             "--vram", short, "--context", str(CONTEXT)])
+    assert result.exit_code != 0
+    assert "the engine needs at least" in result.output and "Traceback" not in result.output
+
+
+def test_plan_backend_int4_on_a_checkpoint_says_to_quantize_first(tiny_gemma4, runner):
+    result = invoke(runner, ["plan", str(tiny_gemma4("dense-ple")), "--backend", "int4", "--hardware", "desktop-4g",
+                             "--quant", "int4-g32", "--context", str(CONTEXT), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert "engine" not in data
+    assert any("--int4-stream" in note for note in data["notes"])
