@@ -252,11 +252,15 @@ def test_killed_backend_fails_its_request_then_recovers(serve_home, embedded_ggu
         assert json.loads(get(f"{service.url}/health")[1])["tiers"]["fast"]["restarts"] == 1
 
         # A non-streamed request waits on one answer: a death mid-answer is a 502, not a hang.
+        # A slot may still read as processing the answer above for a moment after it was sent:
+        # wait for a task that was not there before this request.
         second_pid = backend.pid
+        earlier = {s.get("id_task") for s in backend.server.get_json("/slots")}
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(post, f"{service.url}/v1/completions",
                                   {"model": "fast", "prompt": "Once upon a time", "max_tokens": 1000})
-            wait_for(lambda: any(s.get("is_processing") for s in backend.server.get_json("/slots")),
+            wait_for(lambda: any(s.get("is_processing") and s.get("id_task") not in earlier
+                                 for s in backend.server.get_json("/slots")),
                      what="the request to reach a slot")
             os.kill(second_pid, signal.SIGKILL)
             status, _, body = pending.result(timeout=60)
