@@ -123,9 +123,20 @@ def built_home(llama_build_store, isolated_home) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gemma4_vocab(llama_build_store):
-    path = next((llama_build_store / "sources").glob("llama.cpp-*/models/ggml-vocab-gemma-4.gguf"), None)
-    assert path is not None, "the bundled llama.cpp source has no Gemma 4 vocabulary"
+def llama_source() -> Path:
+    """The bundled llama.cpp source tree `gemmactl build` compiles (the llama-cpp-python sdist's), in
+    the slow cache store: fetched on a machine's first run, then read from there."""
+    from gemmactl.llamacpp.source import bundled_source
+    from gemmactl.store import Store
+
+    return bundled_source(Store(slow_cache_dir() / "store")).path
+
+
+@pytest.fixture(scope="session")
+def gemma4_vocab(llama_source) -> Path:
+    """llama.cpp's Gemma 4 vocabulary GGUF (with its .inp/.out tokenizer test vectors beside it)."""
+    path = llama_source / "models" / "ggml-vocab-gemma-4.gguf"
+    assert path.is_file(), f"the bundled llama.cpp source at {llama_source} has no Gemma 4 vocabulary"
     return path
 
 
@@ -152,3 +163,36 @@ def tiny_checkpoint(tiny_gemma4, gemma4_tokenizer_files, tmp_path_factory):
         return made[kind]
 
     return make
+
+
+# -- the GPU tier ------------------------------------------------------------------------------------
+
+GPU_TIER_COMMAND = "bash benchmarks/gpu_tests.sh --work DIR --out DIR --carry DIR"
+
+
+def _cuda_available() -> bool:
+    if not shutil.which("nvidia-smi"):
+        return False  # no driver: no need to import torch to know
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip on a machine without CUDA, all for one reason."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items or _cuda_available():
+        return
+    skip = pytest.mark.skip(reason=f"the GPU tier needs an NVIDIA GPU with CUDA ({GPU_TIER_COMMAND})")
+    for item in gpu_items:
+        item.add_marker(skip)
+    config._gpu_tier_skipped = len(gpu_items)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    skipped = getattr(config, "_gpu_tier_skipped", 0)
+    if skipped:
+        terminalreporter.write_line(f"gpu tier: {skipped} tests skipped, no CUDA GPU here; "
+                                    f"on a GPU machine: {GPU_TIER_COMMAND}")

@@ -32,6 +32,7 @@ def one_line(stderr: str) -> str:
 def test_a_temperature_that_is_no_number(isolated_home, value):
     proc = run_gemmactl(["run", "--temperature", value, "hello"])
     assert proc.returncode == 2 and "--temperature" in one_line(proc.stderr)
+    assert proc.stdout == "" and not isolated_home.exists()  # refused before anything is written
 
 
 def test_binary_on_stdin_is_named_not_reported_as_a_bug(isolated_home):

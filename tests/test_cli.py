@@ -53,9 +53,9 @@ def test_version(runner):
     assert "gemmactl" in result.output
 
 
-def test_unknown_command_is_one_line_exit_2():
+def test_unknown_command_is_one_line_exit_2(isolated_home):
     proc = run_gemmactl(["frobnicate"])
-    assert proc.returncode == 2
+    assert proc.returncode == 2 and proc.stdout == "" and not isolated_home.exists()
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "No such command 'frobnicate'" in lines[0]
@@ -63,9 +63,9 @@ def test_unknown_command_is_one_line_exit_2():
     assert "Traceback" not in proc.stderr
 
 
-def test_bad_option_value_is_one_line_exit_2(runner):
+def test_bad_option_value_is_one_line_exit_2(runner, isolated_home):
     result = invoke(runner, ["run", "--max-tokens", "0", "hello"])
-    assert result.exit_code == 2
+    assert result.exit_code == 2 and result.stdout == "" and not isolated_home.exists()
     assert result.stderr.count("\n") == 1
     assert "--max-tokens" in result.stderr
     assert "gemmactl run --help" in result.stderr

@@ -189,7 +189,7 @@ def test_the_real_270m_through_the_engine(gemma3_hf_checkpoint, tmp_path):
     assert "engine: cpu " in proc.stderr and "resident" in proc.stderr
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu  # the GPU tier: skipped without CUDA (tests/conftest.py), run by benchmarks/gpu_tests.sh
 
 
 @gpu

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -17,25 +16,12 @@ from gemmactl.formats.gguf_vocab import (
     write_hf_vocab,
 )
 
-VOCAB_NAME = "ggml-vocab-gemma-4.gguf"
-LLAMA_SOURCE_NAME = "llama.cpp-0.3.36"
-VENDORED_COPY = Path("/tmp/sd/llama_cpp_python-0.3.36/vendor/llama.cpp/models")
 # The separator llama.cpp's tests/test-tokenizer-0.cpp splits the .inp file on.
 VECTOR_SEPARATOR = "\n__ggml_vocab_test__\n"
 # Tokens convert_hf_to_gguf.py (Gemma4Model.set_vocab) forces to USER_DEFINED whatever the tokenizer says.
 CONVERTER_VISIBLE_TOKENS = {
     "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>'
 }
-
-
-def find_vocab_gguf() -> Path | None:
-    """The Gemma 4 vocabulary GGUF of a llama.cpp source tree, where one is at hand."""
-    candidates = []
-    if source := os.environ.get("GEMMACTL_LLAMA_SOURCE"):
-        candidates.append(Path(source) / "models")
-    cache = Path(os.environ.get("GEMMACTL_TEST_CACHE", Path.home() / ".cache" / "gemmactl-tests"))
-    candidates += [cache / "store" / "sources" / LLAMA_SOURCE_NAME / "models", VENDORED_COPY]
-    return next((folder / VOCAB_NAME for folder in candidates if (folder / VOCAB_NAME).is_file()), None)
 
 
 def read_test_vectors(vocab_gguf: Path) -> dict[str, list[int]]:
@@ -57,14 +43,9 @@ def read_test_vectors(vocab_gguf: Path) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="session")
-def vocab_gguf() -> Path:
-    path = find_vocab_gguf()
-    if path is None:
-        pytest.skip(
-            f"no {VOCAB_NAME}: set GEMMACTL_LLAMA_SOURCE to a llama.cpp source tree, or build one into "
-            f"~/.cache/gemmactl-tests/store/sources/{LLAMA_SOURCE_NAME}"
-        )
-    return path
+def vocab_gguf(gemma4_vocab) -> Path:
+    """The vocabulary of the llama.cpp source `gemmactl build` uses (conftest.py: llama_source)."""
+    return gemma4_vocab
 
 
 @pytest.fixture(scope="session")
@@ -91,7 +72,8 @@ def hf_tokenizer(hf_dir):
 
 @pytest.fixture(scope="session")
 def llama(vocab_gguf):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp
+
     return llama_cpp.Llama(model_path=str(vocab_gguf), vocab_only=True, verbose=False)
 
 

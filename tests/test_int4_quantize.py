@@ -54,8 +54,12 @@ def test_quantize_registers_the_artifact_and_inspect_describes_it(checkpoint, ru
     assert summary["tensors"] == len(small_tensors()) and summary["params"] == sum(t.numel() for t in small_tensors().values())
     assert [row["layer"] for row in summary["layers"]] == [None, 0, 1]
     assert summary["layers"][2]["experts"] == 4
+    # One checksum per record of the index: a tensor each, and one per expert of an MoE stack.
+    records = json.loads((Path(artifact["path"]) / "index.json").read_text())["tensors"]
+    assert all(record["checksum"] for record in records) and len(records) > summary["tensors"]
+    assert summary["records"] == len(records)
     text = invoke(runner, ["inspect", artifact["path"], "--verify"])
-    assert text.exit_code == 0 and "LAYER" in text.stdout and "all 15 checksums match" in text.stdout
+    assert text.exit_code == 0 and "LAYER" in text.stdout and f"all {len(records)} checksums match" in text.stdout
 
 
 def test_quantize_human_output_and_out_option(checkpoint, runner, tmp_path):

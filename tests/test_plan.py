@@ -119,6 +119,7 @@ def fake_machine(memory=4 * GiB):
     return Machine("test cpu", 2, [], 32 * GiB, "x86_64", gpus=[Gpu(0, "Fake GPU", memory, "1", "7.5")])
 
 
+@pytest.mark.real_model
 def test_auto_placement_with_a_fake_gpu(embedded_gguf, isolated_home):
     from gemmactl.plan.auto import auto_placement
 
@@ -142,6 +143,7 @@ REQUIRED_KEYS = [
 ]
 
 
+@pytest.mark.real_model
 def test_plan_json_schema_and_out_file(runner, model_home, tmp_path):
     result = invoke(runner, ["plan", "embedded", "--vram", "1G", "--ram", "8G", "--context", "4096", "--json"])
     assert result.exit_code == 0, result.output
@@ -164,6 +166,7 @@ def test_plan_json_schema_and_out_file(runner, model_home, tmp_path):
     assert "predicted: decode" in result.stdout and "layer" in result.stdout
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("args, words, code", [
     (["--vram", "0"], "more than zero", 2),
     (["--vram", "-4G"], "more than zero", 2),
@@ -186,6 +189,7 @@ def test_plan_unknown_architecture(runner, tmp_path):
     assert result.exit_code == 2 and "unknown architecture 'llama'" in result.stderr
 
 
+@pytest.mark.real_model
 def test_hardware_profile_and_warning_over_the_gpu(runner, model_home):
     result = invoke(runner, ["plan", "embedded", "--hardware", "desktop-4g", "--vram", "6G", "--json"])
     assert result.exit_code == 0, result.output
@@ -195,6 +199,7 @@ def test_hardware_profile_and_warning_over_the_gpu(runner, model_home):
     assert spark["hardware"]["unified_memory"] and spark["llama_cpp_args"]["-ngl"] == 19
 
 
+@pytest.mark.real_model
 def test_auto_parallel_slots_follow_the_memory(embedded_gguf, isolated_home):
     """`parallel: auto`: as many slots as keep the whole model on the GPU (or, without one, in RAM)."""
     from gemmactl.plan.auto import AUTO_PARALLEL_MAX, auto_parallel

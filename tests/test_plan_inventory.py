@@ -75,6 +75,7 @@ def test_shared_kv_layers_hold_no_cache(tiny_gemma4):
     assert [layer.kv_cells for layer in evaluate(plain, profile, budget, Placement(11), **profile_args).layers][:5] == [768] * 4 + [4096]
 
 
+@pytest.mark.real_model
 def test_gguf_inventory_matches_gguf_py(embedded_gguf):
     from gguf import GGUFReader
 

@@ -14,13 +14,32 @@ MiB = 1 << 20
 
 @pytest.mark.real_model
 def test_run_applies_the_plan_when_the_model_does_not_fit(runner, model_home, monkeypatch):
+    """A budget that holds the output layer and exactly GPU_LAYERS decoder layers: run loads that split."""
+    from dataclasses import replace
+
     import gemmactl.plan.auto as auto
+    from gemmactl.plan.inventory import inventory_from_gguf
+    from gemmactl.plan.profile import DEFAULT_PROFILE, load_profile
+    from gemmactl.plan.solver import Budget, Placement, evaluate
+    from gemmactl.recipes import resolve_recipe
     from gemmactl.runtime.llamacpp import LlamaCppBackend
 
-    gpu_machine = Machine("test cpu", 2, [], 32 << 30, "x86_64", gpus=[Gpu(0, "Fake 1 GB", 1024 * MiB, "1", "7.5")])
+    gpu_layers = 9  # decoder layers the budget holds beside the output layer: -ngl 10
+    gpu_machine = Machine("test cpu", 2, [], 32 << 30, "x86_64", gpus=[Gpu(0, "Fake 2 GB", 2048 * MiB, "1", "7.5")])
+    inventory = inventory_from_gguf(model_home / "models/gemma3-270m/gemma-3-270m-q4_k_m.gguf")
+    context = resolve_recipe("default").tier("fast").context  # the tier "quick:" routes to
+    profile = replace(load_profile(DEFAULT_PROFILE), vram_bytes=gpu_machine.gpus[0].memory_bytes,
+                      ram_bytes=gpu_machine.ram_bytes)
+
+    def gpu_bytes(ngl: int) -> int:
+        return evaluate(inventory, profile, Budget(1 << 40, 1 << 40), Placement(ngl), context, 1).gpu_bytes
+
+    # Halfway between what -ngl 10 and -ngl 11 need on the GPU: the first fits, the next does not.
+    free = (gpu_bytes(gpu_layers + 1) + gpu_bytes(gpu_layers + 2)) // 2
+    assert gpu_bytes(gpu_layers + 1) < free < gpu_bytes(inventory.shape.n_layers + 1)  # and the whole model does not
     monkeypatch.setattr(auto, "detect_machine", lambda: gpu_machine)
     monkeypatch.setattr(auto, "gpu_capable_library", lambda store=None: True)
-    monkeypatch.setattr("gemmactl.plan.profile.gpu_free_bytes", lambda index=0: 1000 * MiB)
+    monkeypatch.setattr("gemmactl.plan.profile.gpu_free_bytes", lambda index=0: free)
     seen = {}
     original = LlamaCppBackend.__init__
 
@@ -30,15 +49,12 @@ def test_run_applies_the_plan_when_the_model_does_not_fit(runner, model_home, mo
         original(self, model_path, **{**kwargs, "n_gpu_layers": 0})
 
     monkeypatch.setattr(LlamaCppBackend, "__init__", recording_init)
-    expected = auto.auto_placement(model_home / "models/gemma3-270m/gemma-3-270m-q4_k_m.gguf", 4096,
-                                   machine=gpu_machine, gpu_capable=True, free_vram=1000 * MiB)
-    assert expected.applied
     result = invoke(runner, ["run", "--model", "embedded", "--max-tokens", "4", "--stats", "quick: What is the capital of France?"])
     assert result.exit_code == 0, result.output
-    assert seen["n_gpu_layers"] == expected.n_gpu_layers
-    assert seen["tensor_overrides"] == expected.tensor_overrides
+    assert seen["n_gpu_layers"] == gpu_layers + 1
+    assert seen["tensor_overrides"] == ()  # a dense model: no expert overrides
     assert seen["extra_args"] == {"swa_full": False}
-    assert f"placement: {expected.reason}" in result.stderr
+    assert f"placement: plan: {gpu_layers}/{inventory.shape.n_layers} layers and the output layer on GPU (" in result.stderr
 
 
 @pytest.mark.real_model
@@ -97,6 +113,7 @@ def test_run_leaves_a_cpu_machine_alone(runner, model_home, monkeypatch):
     assert "n_gpu_layers" not in seen and "placement:" not in result.stderr
 
 
+@pytest.mark.real_model
 def test_in_process_tensor_overrides_reach_llama_cpp(embedded_gguf):
     import llama_cpp
 

@@ -1,7 +1,8 @@
-"""`gemmactl pull` against a stand-in hub on 127.0.0.1 (tests/hub_server.py); huggingface_hub runs unmocked."""
+"""`gemmactl pull` against a stand-in hub on 127.0.0.1 (tests/helpers/hub_server.py); huggingface_hub runs unmocked."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from gemmactl.store import Store
 from helpers.hub_server import FakeHub
 
 REPO = "gemmactl-test/tiny-gemma4"
+CDN_REPO = "gemmactl-test/tiny-gemma4-cdn"  # the same files; LFS ones redirect to the CDN, as on huggingface.co
 GGUF_REPO = "gemmactl-test/tiny-gemma4-GGUF"
 GATED_REPO = "gemmactl-test/gated-gemma4"
 CHECKPOINT = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
@@ -55,7 +57,9 @@ def fake_hub(tiny_gemma4, tmp_path_factory):
         (extra / name).write_bytes(data)
         files[name] = extra / name
     hub = FakeHub()
-    hub.add_repo(REPO, files, lfs={"model.safetensors", "tokenizer.json", "diagram.png", "pytorch_model.bin"})
+    lfs = {"model.safetensors", "tokenizer.json", "diagram.png", "pytorch_model.bin"}
+    hub.add_repo(REPO, files, lfs=lfs)
+    hub.add_repo(CDN_REPO, files, lfs=lfs, cdn=True)
 
     gguf_files = {"README.md": extra / "README.md"}
     for index, name in enumerate(GGUF_FILES):
@@ -102,6 +106,26 @@ def pull_json(runner, *args) -> dict:
     result = pull(runner, *args, "--json")
     assert result.exit_code == 0, result.stderr
     return json.loads(result.output)
+
+
+def bytes_host(hub: FakeHub, repo_id: str, name: str) -> str:
+    """Which server sends a file's bytes: the CDN for LFS files of a cdn repo, else the hub itself."""
+    repo = hub.repos[repo_id]
+    return "cdn" if repo.cdn and repo.files[name].lfs else "hub"
+
+
+def assert_blobs_match(hub: FakeHub, root: Path, repo_id: str, names) -> None:
+    """Each file's cache blob is named by, and hashes to, the hub's checksum of it."""
+    repo = hub.repos[repo_id]
+    for name in names:
+        served = repo.files[name]
+        pointer = root / "snapshots" / repo.commit / name
+        assert os.path.basename(os.readlink(pointer)) == served.etag
+        if served.lfs:
+            assert _sha256(pointer) == served.sha256, name
+        else:
+            data = pointer.read_bytes()
+            assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == served.git_oid, name
 
 
 def assert_one_line_error(result, code: int) -> str:
@@ -160,43 +184,60 @@ def test_human_output_names_the_store_entry(runner, hub):
 # -- resume --------------------------------------------------------------------------------------
 
 
-def test_dropped_connection_continues_by_range(runner, hub, isolated_home):
+def assert_fetched_via(hub: FakeHub, repo_id: str, name: str, expected: list[tuple[str | None, int]]) -> None:
+    """The file's bytes came as `expected` (range, status) from the right server; on the CDN path each of
+    those requests first went to the hub, which answered 302 to the same Range."""
+    gets = hub.gets(name)
+    assert [(g.range, g.status) for g in gets] == expected
+    assert {g.host for g in gets} == {bytes_host(hub, repo_id, name)}
+    redirects = hub.redirects(name)
+    if bytes_host(hub, repo_id, name) == "cdn":
+        assert [(r.method, r.range, r.status) for r in redirects] == [("GET", g.range, 302) for g in gets]
+    else:
+        assert redirects == []
+
+
+@pytest.mark.parametrize("repo_id", [REPO, CDN_REPO])
+def test_dropped_connection_continues_by_range(runner, hub, cache, isolated_home, repo_id):
     hub.drop_once["model.safetensors"] = 30_000_000
-    out = pull_json(runner, REPO)
+    out = pull_json(runner, repo_id)
     gets = hub.gets("model.safetensors")
     assert len(gets) == 2 and gets[0].range is None
     assert gets[1].range.startswith("bytes=") and int(gets[1].range[6:-1]) > 0
-    assert gets[1].status == 206
-    assert out["commit"] == hub.repos[REPO].commit
-    assert Store(isolated_home).get(REPO) is not None
+    assert_fetched_via(hub, repo_id, "model.safetensors", [(None, 200), (gets[1].range, 206)])
+    assert out["commit"] == hub.repos[repo_id].commit
+    assert Store(isolated_home).get(repo_id) is not None
+    assert_blobs_match(hub, cache(repo_id), repo_id, CHECKPOINT)
 
 
-def test_rerun_after_a_failed_pull_continues_the_partial_file(runner, hub, cache, isolated_home):
-    sha = hub.repos[REPO].files["model.safetensors"].sha256
+@pytest.mark.parametrize("repo_id", [REPO, CDN_REPO])
+def test_rerun_after_a_failed_pull_continues_the_partial_file(runner, hub, cache, isolated_home, repo_id):
+    sha = hub.repos[repo_id].files["model.safetensors"].sha256
     hub.drop_once["model.safetensors"] = 30_000_000
     hub.status_after_drop["model.safetensors"] = 503
-    line = assert_one_line_error(pull(runner, REPO), 1)
+    line = assert_one_line_error(pull(runner, repo_id), 1)
     assert "HTTP 503" in line
-    assert Store(isolated_home).get(REPO) is None
-    partial = cache() / "blobs" / f"{sha}.incomplete"
+    assert Store(isolated_home).get(repo_id) is None
+    partial = cache(repo_id) / "blobs" / f"{sha}.incomplete"
     kept = partial.stat().st_size
-    assert 0 < kept < hub.repos[REPO].files["model.safetensors"].size
+    assert 0 < kept < hub.repos[repo_id].files["model.safetensors"].size
 
     hub.reset()
-    pull_json(runner, REPO)
-    gets = hub.gets("model.safetensors")
-    assert [(g.range, g.status) for g in gets] == [(f"bytes={kept}-", 206)]
+    pull_json(runner, repo_id)
+    assert_fetched_via(hub, repo_id, "model.safetensors", [(f"bytes={kept}-", 206)])
     # Files completed before the failure are not fetched again.
     assert sorted(r.file for r in hub.downloads()) == ["model.safetensors", "tokenizer.json"]
     assert not partial.exists()
+    assert_blobs_match(hub, cache(repo_id), repo_id, CHECKPOINT)
 
 
-def test_kill_9_mid_file_then_rerun_continues_by_range(runner, hub, cache, isolated_home):
-    size = hub.repos[REPO].files["model.safetensors"].size
-    partial = cache() / "blobs" / f"{hub.repos[REPO].files['model.safetensors'].sha256}.incomplete"
+@pytest.mark.parametrize("repo_id", [REPO, CDN_REPO])
+def test_kill_9_mid_file_then_rerun_continues_by_range(runner, hub, cache, isolated_home, repo_id):
+    size = hub.repos[repo_id].files["model.safetensors"].size
+    partial = cache(repo_id) / "blobs" / f"{hub.repos[repo_id].files['model.safetensors'].sha256}.incomplete"
     hub.throttle["model.safetensors"] = 20_000_000  # bytes/s: the file takes ~6 s, plenty of time to kill it
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gemmactl", "pull", REPO, "--json"],
+        [sys.executable, "-m", "gemmactl", "pull", repo_id, "--json"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=dict(os.environ),
@@ -211,13 +252,212 @@ def test_kill_9_mid_file_then_rerun_continues_by_range(runner, hub, cache, isola
     assert proc.returncode == -signal.SIGKILL
     kept = partial.stat().st_size
     assert 0 < kept < size
-    assert Store(isolated_home).get(REPO) is None
+    assert Store(isolated_home).get(repo_id) is None
 
     hub.reset()
-    pull_json(runner, REPO)
-    assert [(g.range, g.status) for g in hub.gets("model.safetensors")] == [(f"bytes={kept}-", 206)]
+    pull_json(runner, repo_id)
+    assert_fetched_via(hub, repo_id, "model.safetensors", [(f"bytes={kept}-", 206)])
     assert sorted(r.file for r in hub.downloads()) == ["model.safetensors", "tokenizer.json"]
-    assert Store(isolated_home).get(REPO).revision == hub.repos[REPO].commit
+    assert Store(isolated_home).get(repo_id).revision == hub.repos[repo_id].commit
+    assert_blobs_match(hub, cache(repo_id), repo_id, CHECKPOINT)
+
+
+# A partial file the next pull must not continue by Range: already complete (e.g. killed between the
+# last byte and the rename), or bigger than the file on the hub. A Range from its size would start at
+# or past the end, which the hub answers 416.
+@pytest.mark.parametrize(
+    "kind, repo_id", [("complete", REPO), ("too-big", REPO), ("too-big", CDN_REPO), ("complete-but-wrong", CDN_REPO)]
+)
+def test_a_partial_file_at_or_past_the_end_is_never_continued_past_it(runner, hub, cache, isolated_home, repo_id, kind):
+    served = hub.repos[repo_id].files["model.safetensors"]
+    partial = cache(repo_id) / "blobs" / f"{served.sha256}.incomplete"
+    partial.parent.mkdir(parents=True)
+    data = bytearray(served.path.read_bytes())
+    if kind == "too-big":
+        data += os.urandom(4096)
+    elif kind == "complete-but-wrong":
+        data[len(data) // 3] ^= 0xFF
+    partial.write_bytes(bytes(data))
+
+    result = pull(runner, repo_id, "--json")
+    assert all(r.status != 416 for r in hub.requests), [(r.host, r.path, r.range, r.status) for r in hub.requests]
+    if kind == "complete":
+        assert result.exit_code == 0, result.stderr
+        assert hub.gets("model.safetensors") == [] and hub.redirects("model.safetensors") == []
+        others = [hub.repos[repo_id].files[name] for name in CHECKPOINT if name != "model.safetensors"]
+        assert json.loads(result.output)["downloaded"] == sum(f.size for f in others)
+    elif kind == "too-big":
+        assert result.exit_code == 0, result.stderr
+        assert_fetched_via(hub, repo_id, "model.safetensors", [(None, 200)])  # from the start, not by Range
+    else:
+        # Complete in size, so nothing is fetched; the checksum catches it and the bad bytes go.
+        line = assert_one_line_error(result, 1)
+        assert "checksum mismatch" in line and "model.safetensors (sha256)" in line
+        assert hub.gets("model.safetensors") == [] and not partial.exists()
+        assert Store(isolated_home).get(repo_id) is None
+        hub.reset()
+        pull_json(runner, repo_id)
+        assert_fetched_via(hub, repo_id, "model.safetensors", [(None, 200)])
+    assert not partial.exists()
+    assert_blobs_match(hub, cache(repo_id), repo_id, CHECKPOINT)
+    assert Store(isolated_home).get(repo_id).revision == hub.repos[repo_id].commit
+
+
+# -- LFS files behind a CDN redirect, as on huggingface.co -----------------------------------------
+
+
+def _http(url: str, range_: str | None = None, token: str | None = None, method: str = "GET"):
+    """One request, redirects not followed, with huggingface_hub's HTTP library."""
+    import httpx2
+
+    headers = {"Range": range_} if range_ else {}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    with httpx2.Client(follow_redirects=False) as client:
+        return client.request(method, url, headers=headers)
+
+
+def test_the_cdn_redirect_carries_what_huggingface_hub_reads(hub, tmp_path):
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub.utils._runtime import is_xet_available
+
+    repo = hub.repos[CDN_REPO]
+    served = repo.files["model.safetensors"]
+    url = hf_hub_url(CDN_REPO, "model.safetensors", endpoint=hub.url)
+    meta = get_hf_file_metadata(url, token="hf_user", endpoint=hub.url)
+    assert (meta.commit_hash, meta.etag, meta.size) == (repo.commit, served.sha256, served.size)
+    assert meta.location.startswith(hub.cdn_url + "/") and meta.xet_file_data is None
+    # The 302 to another origin is not followed by the metadata call: it carries everything.
+    assert [(r.method, r.host, r.status, r.authorized) for r in hub.requests] == [("HEAD", "hub", 302, True)]
+
+    # The signed URL serves ranges without credentials, and refuses them, or a missing signature.
+    part = _http(meta.location, "bytes=0-15")
+    with open(served.path, "rb") as source:
+        assert part.status_code == 206 and part.content == source.read(16)
+    assert part.headers["Content-Range"] == f"bytes 0-15/{served.size}"
+    assert part.headers["ETag"].strip('"') != served.sha256  # a CDN's own ETag, never the hub's
+    assert _http(meta.location, "bytes=0-15", token="hf_user").status_code == 400
+    assert _http(meta.location.split("?")[0], "bytes=0-15").status_code == 403
+
+    # huggingface_hub's own download takes the bytes from the CDN, without the token; with hf_xet
+    # installed, only the hub's silence about Xet keeps it on plain HTTP.
+    assert is_xet_available()
+    hub.reset()
+    path = hf_hub_download(CDN_REPO, "model.safetensors", cache_dir=tmp_path / "hf-cache", endpoint=hub.url,
+                           token="hf_user")
+    assert [(r.method, r.host, r.status, r.authorized) for r in hub.requests] == [
+        ("HEAD", "hub", 302, True), ("GET", "cdn", 200, False)]
+    assert os.path.basename(os.path.realpath(path)) == served.sha256
+    assert _sha256(Path(path)) == served.sha256
+
+
+def test_pull_through_the_cdn_keeps_the_token_on_the_hub_and_checksums_match(runner, hub, cache, isolated_home):
+    repo = hub.repos[CDN_REPO]
+    out = pull_json(runner, CDN_REPO, "--token", "hf_user")
+    assert out["commit"] == repo.commit and [f["name"] for f in out["files"]] == CHECKPOINT
+    assert {bytes_host(hub, CDN_REPO, name) for name in CHECKPOINT} == {"hub", "cdn"}
+    for name in CHECKPOINT:
+        assert_fetched_via(hub, CDN_REPO, name, [(None, 200)])
+    # The token went with every hub request and with no CDN one (which the CDN would answer 400).
+    assert all(r.authorized for r in hub.requests if r.host == "hub")
+    assert not any(r.authorized for r in hub.requests if r.host == "cdn")
+    assert_blobs_match(hub, cache(CDN_REPO), CDN_REPO, CHECKPOINT)
+    entry = Store(isolated_home).get(CDN_REPO)
+    assert entry.revision == repo.commit and entry.path == str(cache(CDN_REPO) / "snapshots" / repo.commit)
+
+
+def test_a_cdn_refusing_an_expired_link_is_not_called_a_gated_repo(runner, hub, cache, isolated_home):
+    hub.url_ttl = -60  # every signed link has expired by the time it is used
+    line = assert_one_line_error(pull(runner, CDN_REPO), 1)
+    assert f"download server {hub.cdn_url} answered HTTP 403" in line and "Rerun" in line
+    assert "gated" not in line and "HF_TOKEN" not in line and "license" not in line
+    assert [(g.host, g.status) for g in hub.gets("model.safetensors")] == [("cdn", 403)]
+    assert Store(isolated_home).get(CDN_REPO) is None
+
+    hub.reset()  # fresh links
+    pull_json(runner, CDN_REPO)
+    assert_blobs_match(hub, cache(CDN_REPO), CDN_REPO, CHECKPOINT)
+
+
+@pytest.mark.parametrize(
+    "repo_id, name", [(REPO, "config.json"), (REPO, "model.safetensors"), (CDN_REPO, "model.safetensors")]
+)
+def test_ranges_and_a_range_past_the_end(hub, tmp_path, repo_id, name):
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.file_download import http_get
+
+    served = hub.repos[repo_id].files[name]
+    size = served.size
+    url = hf_hub_url(repo_id, name, revision=hub.repos[repo_id].commit, endpoint=hub.url)
+    head = _http(url, method="HEAD")
+    if bytes_host(hub, repo_id, name) == "cdn":
+        assert head.status_code == 302
+        bytes_url = head.headers["Location"]
+    else:
+        assert head.status_code == 200 and int(head.headers["Content-Length"]) == size
+        bytes_url = url
+    cases = [
+        (f"bytes={size}-", 416, None),
+        (f"bytes={size + 7}-", 416, None),
+        (f"bytes={size}-{size + 9}", 416, None),
+        ("bytes=-0", 416, None),
+        (f"bytes={size - 1}-", 206, (size - 1, size)),
+        ("bytes=0-9", 206, (0, 10)),
+        ("bytes=-10", 206, (size - 10, size)),
+        (f"bytes={size - 5}-{size + 100}", 206, (size - 5, size)),
+    ]
+    for range_, status, span in cases:
+        response = _http(bytes_url, range_)
+        assert response.status_code == status, range_
+        if status == 416:
+            assert response.headers["Content-Range"] == f"bytes */{size}", range_
+        else:
+            start, end = span
+            assert response.headers["Content-Range"] == f"bytes {start}-{end - 1}/{size}", range_
+            with open(served.path, "rb") as source:
+                source.seek(start)
+                assert response.content == source.read(end - start), range_
+
+    # What a client continuing from a partial file bigger than the remote one gets; from one exactly as
+    # big, huggingface_hub sends nothing at all.
+    with open(tmp_path / "partial", "wb") as handle:
+        with pytest.raises(HfHubHTTPError) as caught:
+            http_get(url, handle, resume_size=size + 7)
+        assert caught.value.response.status_code == 416
+        hub.reset()
+        http_get(url, handle, resume_size=size, expected_size=size)
+        assert hub.requests == []
+
+
+def test_the_hub_never_advertises_xet(hub):
+    """Xet needs a CAS server this stand-in does not have: no header, link, listing field or token route names it."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils._xet import parse_xet_file_data_from_response
+
+    for repo_id in (REPO, CDN_REPO):
+        repo = hub.repos[repo_id]
+        listing = _http(f"{hub.url}/api/models/{repo_id}/revision/main?blobs=true")
+        assert listing.status_code == 200 and "xet" not in listing.text.lower()
+        assert _http(f"{hub.url}/api/models/{repo_id}/xet-read-token/{repo.commit}").status_code == 404
+        for name in ("config.json", "model.safetensors"):
+            url = hf_hub_url(repo_id, name, revision=repo.commit, endpoint=hub.url)
+            responses = [_http(url, method="HEAD"), _http(url, "bytes=0-15")]
+            if responses[0].status_code == 302:
+                location = responses[0].headers["Location"]
+                responses += [_http(location, method="HEAD"), _http(location, "bytes=0-15")]
+            for response in responses:
+                assert not [key for key in response.headers if key.lower().startswith("x-xet")], dict(response.headers)
+                assert "xet" not in response.headers.get("Link", "").lower()
+                assert parse_xet_file_data_from_response(response, endpoint=hub.url) is None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 # -- verification --------------------------------------------------------------------------------
@@ -519,6 +759,28 @@ def test_disk_full_and_timeouts_become_one_line_errors():
     slow = _translate(TimeoutError("timed out"), REPO, "main", "http://hub", Path("/cache"))
     assert isinstance(slow, HubUnreachableError) and slow.message == "the connection to the hub at http://hub broke: timed out"
     assert _translate(ValueError("a bug"), REPO, "main", "http://hub", Path("/cache")) is None
+
+
+@pytest.mark.parametrize(
+    "answered, by_the_hub",
+    [
+        ("https://huggingface.co/google/gemma-4-E2B-it/resolve/main/model.safetensors", True),
+        ("https://hf.co/google/gemma-4-E2B-it/resolve/main/model.safetensors", True),
+        ("https://cas-bridge.xethub.hf.co/xet-bridge-us/0123/4567?X-Amz-Signature=89ab", False),
+        ("https://cdn-lfs.hf.co/repos/01/23/4567?Expires=1&Signature=89ab", False),
+    ],
+)
+def test_a_403_is_about_access_only_when_the_hub_itself_answers_it(answered, by_the_hub):
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from gemmactl.errors import HubAccessError, HubError
+    from gemmactl.hub.pull import _translate
+
+    response = httpx2.Response(403, request=httpx2.Request("GET", answered))
+    mapped = _translate(HfHubHTTPError("403 Forbidden", response=response), REPO, "main", "https://huggingface.co",
+                        Path("/cache"))
+    assert type(mapped) is (HubAccessError if by_the_hub else HubError)
 
 
 @pytest.mark.parametrize("offline", [False, True])

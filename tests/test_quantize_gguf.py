@@ -79,6 +79,7 @@ def test_gguf_f16_greedy_tokens_equal_transformers(kind, built_home, tiny_checkp
     assert [p.name for p in (built_home / "models" / entry["name"]).iterdir()] == [f"{entry['name']}.gguf"]
 
 
+@pytest.mark.real_model
 def test_q8_0_of_the_real_gemma3_answers_paris(built_home, gemma3_hf_checkpoint):
     proc = run_gemmactl(["quantize", str(gemma3_hf_checkpoint), "--gguf", "q8_0", "--json"])
     assert proc.returncode == 0, proc.stderr

@@ -9,6 +9,7 @@ import pytest
 
 from gemmactl.errors import RecipeError, UnknownTierError
 from gemmactl.recipes import (
+    FLASH_ATTN_MODES,
     KNOWN_BACKENDS,
     Recipe,
     Sampling,
@@ -80,11 +81,18 @@ def test_gemma4_4gb_recipe():
         "gemmactl quantize google/gemma-4-E4B-it --int4-stream",
     ]
     assert deep.needs.startswith("an int4-stream artifact of Gemma 4 E4B")
+    assert deep.vram == 4 * 2**30 and fast.vram is None
 
 
-@pytest.mark.parametrize("name", ["default", "gemma4-4gb"])
-def test_builtin_backends_are_known(name):
-    assert all(tier.backend in KNOWN_BACKENDS for tier in resolve_recipe(name).tiers.values())
+def test_every_recipe_backend_has_a_runtime():
+    """A backend name a recipe may give (and each built-in tier's) opens through gemmactl.runtime."""
+    from gemmactl.runtime import available_backends, backend_class
+
+    assert set(KNOWN_BACKENDS) == set(available_backends())
+    used = {tier.backend for name in builtin_recipe_names() for tier in resolve_recipe(name).tiers.values()}
+    assert used <= set(KNOWN_BACKENDS)
+    for backend in KNOWN_BACKENDS:
+        assert callable(backend_class(backend)), backend
 
 
 # -- parsing ---------------------------------------------------------------------------------------
@@ -301,11 +309,16 @@ def test_flash_attn_is_off_by_default_and_per_tier():
     assert (recipe.tier("fast").flash_attn, recipe.tier("bulk").flash_attn) == ("on", "off")
 
 
-def test_flash_attn_modes_are_llama_servers():
-    from gemmactl.llamacpp.server import FLASH_ATTN_MODES as SERVER_MODES
-    from gemmactl.recipes import FLASH_ATTN_MODES
+@pytest.mark.parametrize("value", [*FLASH_ATTN_MODES, "true", "false"])  # every mode, and the YAML booleans
+def test_flash_attn_reaches_llama_server_as_its_fa_value(value, tmp_path):
+    """Whatever a tier's flash_attn parses to, the real llama-server argument builder takes it as `-fa`."""
+    from gemmactl.llamacpp.server import LlamaServer
 
-    assert FLASH_ATTN_MODES == SERVER_MODES
+    mode = parse_recipe(MINIMAL + f"    flash_attn: {value}\n").tiers["fast"].flash_attn
+    server = LlamaServer(tmp_path / "llama-server", "m.gguf", threads=1, context=128, log_dir=tmp_path, port=1,
+                         flash_attn=mode)
+    fa = server.command.index("-fa")
+    assert server.command[fa + 1] == mode
 
 
 def test_error_carries_hint():

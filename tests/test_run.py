@@ -8,6 +8,7 @@ import re
 import pytest
 
 from conftest import invoke, run_gemmactl
+from gemmactl.prompt.build import QUESTION_STOPS
 
 PARIS_PROMPT = "quick: Question: What is the capital of France?\nAnswer:"
 
@@ -35,10 +36,12 @@ def test_plain_question_gets_framed_and_answered(model_home, runner):
     payload = json.loads(result.stdout)
     assert "Paris" in payload["answer"]
     assert payload["stats"]["prompt_mode"] == "question-frame"
-    assert payload["stats"]["stop_reason"] in ("stop", "eos", "length")
+    # The frame's stop string ends the greedy answer, long before the tier's max_tokens.
+    assert payload["stats"]["stop_reason"] == "stop"
+    assert payload["stats"]["stop_string"] in QUESTION_STOPS
 
 
-def test_json_output_has_answer_route_and_stats(model_home, runner):
+def test_json_output_has_answer_route_and_stats(model_home, embedded_gguf, runner):
     result = invoke(runner, ["run", "--temperature", "0", "--max-tokens", "8", "--json", PARIS_PROMPT])
     assert result.exit_code == 0, result.stderr
     payload = json.loads(result.stdout)
@@ -48,7 +51,9 @@ def test_json_output_has_answer_route_and_stats(model_home, runner):
     assert 0 < stats["generated_tokens"] <= 8
     assert stats["prompt_tokens"] > 5
     assert stats["ttft_s"] > 0 and stats["wall_s"] >= stats["ttft_s"]
-    assert stats["wall_tok_s"] > 0 and stats["peak_rss_bytes"] > 100_000_000
+    # Decoding reads every weight of the model (the tied embedding too, for the logits), so the
+    # process held at least the GGUF's bytes in memory at its peak.
+    assert stats["wall_tok_s"] > 0 and stats["peak_rss_bytes"] >= embedded_gguf.stat().st_size
     assert stats["load_s"] > 0
     assert payload["thinking"] is None
 
@@ -90,6 +95,8 @@ def test_first_run_assembles_the_embedded_model(isolated_home, runner):
 
 
 # -- bad input: one line, exit 2, no traceback, nothing written ----------------------------------
+# (A temperature that is no number: test_bad_input.py; an option value click refuses and an unknown
+# command: test_cli.py.)
 
 
 @pytest.mark.parametrize(
@@ -98,15 +105,11 @@ def test_first_run_assembles_the_embedded_model(isolated_home, runner):
         (["run", "--tier", "huge", "hello"], "unknown tier 'huge'"),
         (["run", ""], "prompt is empty"),
         (["run", "quick:   "], "empty after the 'quick:' prefix"),
-        (["run", "--max-tokens", "0", "hello"], "--max-tokens"),
         (["run", "--max-tokens", "-3", "hello"], "--max-tokens"),
         (["run", "--temperature", "-1", "hello"], "--temperature"),
-        (["run", "--temperature", "nan", "hello"], "--temperature"),
-        (["run", "--temperature", "inf", "hello"], "--temperature"),
         (["run", "--model", "/no/such/model.gguf", "hello"], "no such model file"),
         (["run", "--model", "not-in-store", "hello"], "no model named 'not-in-store'"),
         (["run", "--recipe", "no-such-recipe", "hello"], "no recipe 'no-such-recipe'"),
-        (["frobnicate"], "No such command"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(isolated_home, args, expected):

@@ -88,9 +88,22 @@ def test_chat_template_gets_the_whole_conversation_and_thinking():
     assert built.mode == "chat-template" and built.add_bos is False
 
 
+class WatchedSlots(threading.Semaphore):
+    """A backend's slots that say when a request starts waiting for one (a blocking acquire)."""
+
+    def __init__(self, value: int):
+        super().__init__(value)
+        self.waited_on = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        if blocking:
+            self.waited_on.set()
+        return super().acquire(blocking, timeout)
+
+
 class FakeBackend:
     def __init__(self, parallel: int):
-        self.slots = threading.Semaphore(parallel)
+        self.slots = WatchedSlots(parallel)
         self.state = "ready"
 
 
@@ -100,26 +113,29 @@ def test_lane_admits_up_to_slots_plus_queue_then_refuses():
     entered, release = threading.Event(), threading.Event()
 
     def hold():
-        with lane.slot(timeout=10):
+        with lane.slot(timeout=60):
             entered.set()
-            release.wait(10)
+            release.wait(60)
+
+    def wait_then_run():
+        with lane.slot(timeout=60):
+            pass
 
     holder = threading.Thread(target=hold)
     holder.start()
-    assert entered.wait(5)
-    waiter = threading.Thread(target=lambda: lane.slot(timeout=10).__enter__())
+    assert entered.wait(60)
+    waiter = threading.Thread(target=wait_then_run)
     waiter.start()
-    for _ in range(200):
-        if lane.waiting == 1:
-            break
-        threading.Event().wait(0.01)
+    # The lane counts a request as waiting before it blocks on the backend's slots.
+    assert backend.slots.waited_on.wait(60)
     assert lane.waiting == 1 and lane.saturated
     with pytest.raises(Saturated):
         with lane.slot(timeout=10):
             pass
     release.set()
-    holder.join(5)
-    waiter.join(5)
+    for thread in (holder, waiter):
+        thread.join(60)
+        assert not thread.is_alive()
     assert lane.waiting == 0 and lane.counters.rejected == 1 and lane.counters.requests == 2
     backend.state = "restarting"
     with pytest.raises(Unavailable, match="restarting"):
@@ -198,6 +214,7 @@ def test_llama_server_flash_attn_defaults_to_off_and_refuses_other_values(tmp_pa
         LlamaServer(tmp_path / "llama-server", "m.gguf", threads=2, context=512, log_dir=tmp_path, flash_attn="yes")
 
 
+@pytest.mark.real_model
 def test_tiers_with_other_server_settings_get_their_own_server(built_home):
     from gemmactl.server.service import plan_backends
     from gemmactl.store import Store

@@ -127,6 +127,7 @@ def test_real_build_manifest_and_repeat_is_a_no_op(llama_build_store):
     assert manifest["compiler"] and manifest["build_seconds"] > 0
 
 
+@pytest.mark.real_model
 def test_run_uses_the_builds_library(built_home):
     proc = run_gemmactl(["run", "--json", "--max-tokens", "8", "Question: What is the capital of France?\nAnswer:"])
     assert proc.returncode == 0, proc.stderr
@@ -136,6 +137,7 @@ def test_run_uses_the_builds_library(built_home):
     assert payload["notices"] == []
 
 
+@pytest.mark.real_model
 def test_a_build_for_other_bindings_falls_back_with_a_warning(built_home):
     active = (built_home / "builds" / "ACTIVE").read_text().strip()
     # A private copy of the builds folder, so the shared cache is not touched.
@@ -153,6 +155,7 @@ def test_a_build_for_other_bindings_falls_back_with_a_warning(built_home):
     assert "Warning:" in proc.stderr and "0.3.36" in proc.stderr and "gemmactl build" in proc.stderr
 
 
+@pytest.mark.real_model
 def test_doctor_proves_where_the_layers_ran(built_home):
     proc = run_gemmactl(["doctor", "--json"])
     assert proc.returncode == 0, proc.stderr

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from gemmactl.errors import (
     DiskSpaceError,
@@ -407,6 +408,15 @@ def _translate(exc: Exception, repo_id: str, revision: str, endpoint: str, cache
     from huggingface_hub import errors as hf
 
     status = getattr(getattr(exc, "response", None), "status_code", None)
+    server = _off_hub_server(exc, endpoint)
+    if isinstance(exc, hf.HfHubHTTPError) and server is not None and not isinstance(exc, hf.GatedRepoError):
+        # The hub redirected the download to its CDN, and the CDN refused: its 403 is about the signed link
+        # (e.g. expired), not about the account, and a rerun gets a fresh link from the hub.
+        return HubError(
+            f"the hub's download server {server} answered HTTP {status} for a file of {repo_id}",
+            hint="Rerun: the hub hands out a fresh download link, completed files are kept and a partial file "
+            "continues where it stopped.",
+        )
     if isinstance(exc, hf.GatedRepoError) or (
         isinstance(exc, hf.HfHubHTTPError) and status in (401, 403) and not isinstance(exc, hf.RepositoryNotFoundError)
     ):
@@ -436,6 +446,24 @@ def _translate(exc: Exception, repo_id: str, revision: str, endpoint: str, cache
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return DiskSpaceError(f"the disk holding {cache_dir} is full")
     return None
+
+
+_HUB_HOSTS = ("huggingface.co", "hf.co")  # where the endpoint may send a request and it is still the hub
+
+
+def _off_hub_server(exc: BaseException, endpoint: str) -> str | None:
+    """The scheme://host[:port] that answered an HTTP error, when that is not the hub (a redirect target)."""
+    response = getattr(exc, "response", None)
+    try:
+        url = str(response.request.url) if response is not None else ""
+    except (AttributeError, RuntimeError):  # a response built without its request
+        return None
+    answered, hub = urlsplit(url), urlsplit(endpoint)
+    if not answered.hostname or (answered.scheme, answered.netloc) == (hub.scheme, hub.netloc):
+        return None
+    if answered.scheme == "https" and answered.port in (None, 443) and answered.hostname in _HUB_HOSTS:
+        return None
+    return f"{answered.scheme}://{answered.netloc}"
 
 
 def _connection_failure(exc: BaseException) -> BaseException | None:
