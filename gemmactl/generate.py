@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gemmactl.errors import BackendUnavailableError, EmptyPromptError, GemmactlError
+from gemmactl.errors import BackendUnavailableError, EmptyPromptError, GemmactlError, InvalidOptionError
 from gemmactl.recipes import Recipe, Speculative, Tier
 from gemmactl.router import Route, route
 from gemmactl.runtime import available_backends, backend_class
@@ -122,6 +122,7 @@ def open_backend(
     threads: int | None = None,
     extra_args: dict | None = None,
     vram: int | None = None,
+    rpc: tuple[str, ...] = (),
 ) -> Backend:
     """Load the model on the backend its format needs.
 
@@ -130,6 +131,7 @@ def open_backend(
     docs/placement.md) or as the caller says (a GpuPlacement; None: llama.cpp's own default).
     int4-stream artifacts run in the engine, placed by the engine's map on a GPU ("auto") or as
     the caller says (an EnginePlacement). vram: the tier's GPU budget (default: free memory).
+    rpc: RPC workers (HOST:PORT[=SIZE]) that take a share of a GGUF's layers (plan/rpc_split.py).
     """
     kind = backend_for(model)
     options: dict = {"context_size": context, "n_threads": threads}
@@ -137,19 +139,40 @@ def open_backend(
         from gemmactl.llamacpp.library import select_library
 
         if placement == AUTO:
-            placement = gpu_placement(model.path, context, parallel=parallel, store=store, vram=vram)
+            placement = gpu_placement(model.path, context, parallel=parallel, store=store, vram=vram, rpc=rpc)
+        if placement is not None and placement.rpc:
+            return _served(model, placement, context=context, threads=threads, store=store)
         extra = dict(extra_args or {})
         if placement is not None and placement.applied:
             options.update(n_gpu_layers=placement.n_gpu_layers, tensor_overrides=placement.tensor_overrides)
             extra.setdefault("swa_full", False)  # the plan sized the sliding layers' KV to the window
         options.update(library=library or select_library(store), placement=placement, extra_args=extra)
     elif kind == "int4":
+        if rpc:
+            raise InvalidOptionError("RPC workers take llama.cpp (GGUF) tiers; this model runs on the int4 engine",
+                                     hint="Drop --rpc (or the tier's rpc:), or give the tier a GGUF model.")
         if placement == AUTO:
             from gemmactl.plan.auto import engine_placement
 
             placement = engine_placement(model.path, context, vram=vram, store=store)
         options["placement"] = placement
     return backend_class(kind)(str(model.path), **options)
+
+
+def _served(model: ResolvedModel, placement: GpuPlacement, *, context: int, threads: int | None, store: Store) -> Backend:
+    """A GGUF split across RPC workers runs in a llama-server child: llama.cpp aborts the process
+    whose worker connection breaks, and that must not be this one."""
+    from gemmactl.llamacpp.build import active_build
+    from gemmactl.llamacpp.served import ServedBackend
+    from gemmactl.runtime.llamacpp import default_threads
+
+    build = active_build(store)
+    if build is None or "llama-server" not in build.binaries:
+        raise BackendUnavailableError("RPC workers need llama-server from `gemmactl build`, and there is no build",
+                                      hint="Run `gemmactl build` (it builds the RPC backend too).")
+    return ServedBackend(build.binary("llama-server"), str(model.path), context_size=context,
+                         n_threads=threads or default_threads(), log_dir=store.home / "logs" / "run",
+                         placement=placement, library=f"build {build.build_id} (llama-server)")
 
 
 def open_model(ref: str, store: Store, *, accept: tuple[str, ...] = RUNNABLE, context: int,
@@ -160,11 +183,17 @@ def open_model(ref: str, store: Store, *, accept: tuple[str, ...] = RUNNABLE, co
 
 
 def gpu_placement(model_path: Path, context: int, *, parallel: int = 1, store: Store | None = None,
-                  vram: int | None = None) -> GpuPlacement:
+                  vram: int | None = None, rpc: tuple[str, ...] = ()) -> GpuPlacement:
     """Where llama.cpp should put a GGUF's layers on this machine, from the planner (headers only).
 
     A planner that cannot read the model leaves every layer offered to the GPU, and says why.
+    With RPC workers, the split across them (a worker that cannot be used stops here).
     """
+    if rpc:
+        from gemmactl.endpoints import parse_endpoints
+        from gemmactl.plan.auto import rpc_placement
+
+        return rpc_placement(Path(model_path), context, parse_endpoints(rpc), parallel=parallel, vram=vram, store=store)
     try:
         from gemmactl.plan.auto import auto_placement
 

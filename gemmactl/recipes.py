@@ -74,6 +74,7 @@ class Tier:
     flash_attn: str = "off"  # llama-server -fa when served: off, on or auto (FLASH_ATTN_MODES)
     backend_sampling: bool = False  # llama-server --backend-sampling when served: sample on the GPU, not the CPU
     vram: int | None = None  # bytes of GPU memory the tier's placement may use (None: the GPU's free memory)
+    rpc: tuple[str, ...] = ()  # llama.cpp RPC workers, HOST:PORT[=SIZE], that take a share of the layers
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def _builtin_dir() -> Traversable:
 _TOP_KEYS = ("name", "description", "default_tier", "tiers")
 _TIER_KEYS = (
     "model", "backend", "context", "thinking", "sampling", "description", "make", "needs", "parallel", "speculative",
-    "flash_attn", "backend_sampling", "vram",
+    "flash_attn", "backend_sampling", "vram", "rpc",
 )
 _SPECULATIVE_KEYS = ("type", "draft_model", "draft_max", "draft_min", "enabled")
 _SAMPLING_KEYS = tuple(f.name for f in fields(Sampling))
@@ -297,7 +298,27 @@ class _Reader:
             changes["backend_sampling"] = self.boolean(values["backend_sampling"])
         if "vram" in values:
             changes["vram"] = self.size(values["vram"])
+        if "rpc" in values:
+            changes["rpc"] = self.workers(values["rpc"])
         return Tier(name=name, model=model, **changes)  # type: ignore[arg-type]
+
+    def workers(self, entry: _Field) -> tuple[str, ...]:
+        """A list of HOST:PORT[=SIZE] (or one string of them, comma-separated)."""
+        from gemmactl.errors import GemmactlError
+        from gemmactl.endpoints import parse_endpoints
+
+        node = entry.value
+        if isinstance(node, SequenceNode) and all(isinstance(item, ScalarNode) for item in node.value):
+            items = [str(_scalar(item)) for item in node.value]
+        elif isinstance(node, ScalarNode) and not _is_null(node):
+            items = [str(_scalar(node))]
+        else:
+            raise self.error(node, f"{entry.path} must be a list of HOST:PORT, got {_shown(node)}")
+        try:
+            parse_endpoints(items, option=entry.path)
+        except GemmactlError as exc:
+            raise RecipeError(str(self.error(node, exc.message)), hint=exc.hint) from None
+        return tuple(part.strip() for item in items for part in item.split(",") if part.strip())
 
     def size(self, entry: _Field) -> int:
         """A size such as 4G or 3.5GiB (docs/cli.md, sizes)."""

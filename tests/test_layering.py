@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gemmactl"
 # Lower layers never import higher ones; packages of one layer never import each other
 # (the shared ground floor, layer 0, excepted).
 LAYERS = {
-    "errors": 0, "sizes": 0, "fileio": 0, "machine": 0, "__init__": 0,
+    "errors": 0, "sizes": 0, "endpoints": 0, "fileio": 0, "machine": 0, "__init__": 0,
     "prompt": 1, "formats": 1,
     "store": 2, "runtime": 2,
     "hub": 3, "llamacpp": 3,

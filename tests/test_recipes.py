@@ -259,6 +259,10 @@ MALFORMED = [
     pytest.param(MINIMAL + "    vram: 0G\n", "tiers.fast.vram must be more than zero", 4, id="vram-zero"),
     pytest.param(MINIMAL + "    vram: [4G]\n", "tiers.fast.vram must be a size such as 4G, got a list", 4,
                  id="vram-list"),
+    pytest.param(MINIMAL + "    rpc: [box]\n", "tiers.fast.rpc 'box' is not HOST:PORT", 4, id="rpc-no-port"),
+    pytest.param(MINIMAL + "    rpc: {box: 1}\n", "tiers.fast.rpc must be a list of HOST:PORT, got a mapping", 4,
+                 id="rpc-mapping"),
+    pytest.param(MINIMAL + "    rpc: [a:1, a:1]\n", "tiers.fast.rpc names the worker a:1 twice", 4, id="rpc-twice"),
 ]
 
 
@@ -434,3 +438,10 @@ def test_vram_is_a_binary_size_and_absent_by_default():
     assert parse_recipe(MINIMAL).tiers["fast"].vram is None
     assert parse_recipe(MINIMAL + "    vram: 3.5G\n").tiers["fast"].vram == int(3.5 * 2**30)
     assert parse_recipe(MINIMAL + "    vram: 4096MiB\n").tiers["fast"].vram == 4 * 2**30
+
+
+def test_rpc_workers_are_a_list_or_one_string():
+    assert parse_recipe(MINIMAL).tiers["fast"].rpc == ()
+    listed = parse_recipe(MINIMAL + "    rpc: [10.0.0.2:50052, '10.0.0.3:50052=8G']\n").tiers["fast"].rpc
+    assert listed == ("10.0.0.2:50052", "10.0.0.3:50052=8G")
+    assert parse_recipe(MINIMAL + "    rpc: 10.0.0.2:50052,10.0.0.3:50052\n").tiers["fast"].rpc == listed[:1] + ("10.0.0.3:50052",)

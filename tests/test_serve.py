@@ -91,48 +91,44 @@ def client(service, key: str = "unused"):
     return OpenAI(base_url=f"{service.url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def wait_for(predicate, timeout: float = 60, what: str = "condition"):
+def wait_for(predicate, timeout: float = 60, what: str = "condition", every: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.05)
+        time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
 
 
 # -- the OpenAI surface ----------------------------------------------------------------------------
 
 
-def test_openai_client_answers_like_run_streamed_and_not(server, embedded_gguf):
-    from gemmactl.recipes import Tier
-    from gemmactl.runtime.base import GenerationRequest, Piece, stream_generate
-    from gemmactl.runtime.llamacpp import LlamaCppBackend
-
+def test_openai_client_answers_like_run_streamed_and_not(server, embedded_gguf, serve_home, tmp_path):
+    """The official client gets, whole and streamed, the text `gemmactl run` prints for the same
+    recipe and prompt (greedy, up to 64 tokens)."""
+    recipe = tmp_path / "serve-test.yaml"
+    recipe.write_text(recipe_text(embedded_gguf))
     api = client(server)
-    reply = api.chat.completions.create(model="fast", messages=[{"role": "user", "content": QUESTION}])
-    answer = reply.choices[0].message.content
-    assert reply.model == "fast" and reply.choices[0].finish_reason == "stop"
-    assert reply.usage.prompt_tokens > 5 and reply.usage.completion_tokens >= 1
+    for prompt in (QUESTION, "Describe a sunset in two sentences."):
+        messages = [{"role": "user", "content": prompt}]
+        reply = api.chat.completions.create(model="fast", messages=messages, max_tokens=64)
+        answer = reply.choices[0].message.content
+        assert reply.model == "fast" and answer.strip(), prompt
+        assert reply.usage.prompt_tokens > 5 and reply.usage.completion_tokens >= 1
 
-    stream = api.chat.completions.create(model="fast", messages=[{"role": "user", "content": QUESTION}],
-                                         stream=True, stream_options={"include_usage": True})
-    chunks = list(stream)
-    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert streamed == answer
-    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+        stream = api.chat.completions.create(model="fast", messages=messages, max_tokens=64, stream=True,
+                                             stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer, prompt
+        assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens, prompt
 
-    # The same greedy text as the in-process path `gemmactl run` takes (same settings as the tier).
-    sampling = Tier("fast", str(embedded_gguf)).sampling
-    backend = LlamaCppBackend(str(embedded_gguf), context_size=2048)
-    try:
-        request = GenerationRequest(QUESTION, max_tokens=16, temperature=0.0, top_k=sampling.top_k,
-                                    top_p=sampling.top_p, repeat_penalty=1.1)
-        in_process = "".join(e.text for e in stream_generate(backend, request)
-                             if isinstance(e, Piece) and e.channel == "answer")
-    finally:
-        backend.close()
-    assert answer == in_process.strip()
-    assert "Paris" in answer
+        ran = subprocess.run([sys.executable, "-m", "gemmactl", "run", "--recipe", str(recipe), "--tier", "fast",
+                              "--max-tokens", "64", "--json", prompt], capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, GEMMACTL_HOME=str(serve_home)))
+        assert ran.returncode == 0, ran.stderr
+        assert json.loads(ran.stdout)["answer"] == answer, prompt
+        if prompt == QUESTION:
+            assert "Paris" in answer and reply.choices[0].finish_reason == "stop"
 
 
 def test_routing_by_model_and_by_prefix(server):
@@ -223,6 +219,40 @@ def test_past_the_queue_bound_is_503_with_retry_after(serve_home, embedded_gguf)
         holder.close()  # the client goes away: its slot is released and the queued request runs
         assert waiter.result(timeout=120)[0] == 200
         assert service.lanes["fast"].counters.rejected == 1
+    finally:
+        service.close()
+
+
+def test_a_client_that_goes_away_frees_its_slot_streamed_or_not(serve_home, embedded_gguf):
+    """A client that closes its connection mid-answer ends the generation: llama-server's slot and
+    the tier's slot are free within seconds, long before the 1500 asked-for tokens could be made
+    (counting runs on for all of them at a few dozen tokens a second on the CPU)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    service = start(serve_home, recipe_text(embedded_gguf, parallel=1))
+    try:
+        backend, address = service.lanes["fast"].backend, urlsplit(service.url)
+        for stream in (False, True):
+            earlier = {s.get("id_task") for s in backend.server.get_json("/slots")}
+
+            def ours():
+                return [s for s in backend.server.get_json("/slots") if s.get("id_task", earlier) not in earlier]
+
+            body = json.dumps({"model": "fast", "prompt": "Counting: 1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 1500,
+                               "stream": stream}).encode()
+            connection = socket.create_connection((address.hostname, address.port))
+            connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            wait_for(lambda: any(s["is_processing"] and s["next_token"][0]["n_decoded"] >= 8 for s in ours()),
+                     what="the answer to be under way")
+            connection.close()
+            # llama-server looks at a waiting request's connection only after a second with no
+            # other result arriving, and each /slots answer is one: ask less often than that.
+            wait_for(lambda: not any(s["is_processing"] for s in ours()), timeout=12, every=1.5,
+                     what=f"llama-server to free the slot of a {'streamed' if stream else 'whole'} request")
+            assert ours()[0]["next_token"][0]["n_decoded"] < 1500, ours()
+            wait_for(lambda: service.lanes["fast"].running == 0, timeout=10, what="the tier's slot")
     finally:
         service.close()
 

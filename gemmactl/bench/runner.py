@@ -51,6 +51,7 @@ class BenchConfig:
     timeout_s: float = 600.0
     draft: str | None = None  # speculative decoding in llama-server with this draft model
     draft_max: int | None = None
+    rpc: tuple[str, ...] = ()  # RPC workers for gemmactl's own target (instead of the tier's rpc)
     flags: dict = field(default_factory=dict)
     argv: list[str] = field(default_factory=list)
 
@@ -87,6 +88,10 @@ def check_config(config: BenchConfig) -> list[BenchPrompt]:
     if config.draft_max is not None and not config.draft:
         raise InvalidOptionError("--draft-max sets how many tokens the draft model proposes, and there is no --draft",
                                  hint="Pass --draft GGUF as well, or leave --draft-max out.")
+    if config.rpc and (set(compare) & {"llama-server", "llama-cpp-python"} or max(config.concurrency) > 1):
+        raise InvalidOptionError("--rpc measures gemmactl's own target alone: a worker serves one head at a time, "
+                                 "and the llama.cpp targets would wait on it",
+                                 hint="Leave out --compare llama-server/llama-cpp-python and --concurrency above 1.")
     if config.draft and "llama-server" not in compare and max(config.concurrency) == 1:
         raise InvalidOptionError("--draft runs speculative decoding in llama-server, and this run starts none",
                                  hint="Add --compare llama-server (or --concurrency 1,N).")
@@ -118,7 +123,8 @@ def run_bench(config: BenchConfig, store: Store, *, log_dir: Path, progress: Pro
     hf_model = _hf_model(config.hf_model, model_path, store)
 
     progress(f"loading {model_path.name}")
-    backend, context_note = _load_fitting(model, spec.tier, request, prompts, config, store)
+    tier = replace(spec.tier, rpc=config.rpc) if config.rpc else spec.tier
+    backend, context_note = _load_fitting(model, tier, request, prompts, config, store)
     # Every llama.cpp target runs with gemmactl's placement, so they measure the same configuration.
     placement = backend.placement
     settings = TargetSettings(
@@ -239,7 +245,7 @@ def _load_fitting(model, tier, request, prompts, config: BenchConfig, store: Sto
     """gemmactl's backend with a context that holds the longest prompt plus --max-tokens (and why, if raised)."""
     from gemmactl.generate import open_backend
 
-    backend = open_backend(model, context=config.context or tier.context, store=store, vram=tier.vram)
+    backend = open_backend(model, context=config.context or tier.context, store=store, vram=tier.vram, rpc=tier.rpc)
     try:
         longest = max(len(backend.prepare(replace(request, prompt=p.text)).tokens) for p in _all_prompts(prompts, config))
     except BaseException:
@@ -257,7 +263,7 @@ def _load_fitting(model, tier, request, prompts, config: BenchConfig, store: Sto
         )
     note = f"raised from the tier's {backend.context_size} to fit {longest} prompt + {config.max_tokens} tokens"
     # llama_cpp is imported by now with the library chosen for the first load: select_library reuses it.
-    return open_backend(model, context=_round_up(needed), store=store, vram=tier.vram), note
+    return open_backend(model, context=_round_up(needed), store=store, vram=tier.vram, rpc=tier.rpc), note
 
 
 def _extra_buffers() -> bool:

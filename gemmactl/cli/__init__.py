@@ -28,7 +28,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": ("gemmactl.cli.bench", "bench", "Measure decode-only and wall-clock speed, optionally side by side."),
     "plan": ("gemmactl.cli.plan", "plan", "Place a model's layers under a VRAM budget and predict its speed."),
     "serve": ("gemmactl.cli.serve", "serve", "Serve every tier of a recipe behind one OpenAI-compatible endpoint."),
-    "ps": ("gemmactl.cli.ps", "ps", "List running gemmactl servers and their tiers."),
+    "worker": ("gemmactl.cli.worker", "worker", "Lend this machine to a head's model over llama.cpp RPC."),
+    "ps": ("gemmactl.cli.ps", "ps", "List running gemmactl servers and workers."),
     "stop": ("gemmactl.cli.ps", "stop", "Stop a running gemmactl server (and its llama-server children)."),
     "logs": ("gemmactl.cli.ps", "logs", "Print a running gemmactl server's log."),
 }

@@ -38,11 +38,12 @@ from gemmactl.cli.types import FiniteFloatRange
 @click.option("--context", type=click.IntRange(min=128), metavar="N", help="Context size (default: the tier's, raised to fit the prompts).")
 @click.option("--timeout", "timeout", type=FiniteFloatRange(min=1), default=600, show_default=True, metavar="S",
               help="Time limit in seconds for each concurrency level.")
+@click.option("--rpc", "rpc", multiple=True, metavar="HOST:PORT[=SIZE]", help="RPC workers for gemmactl's own target (instead of the tier's rpc); it is then measured alone.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the whole result as one JSON object.")
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), metavar="DIR", help="Write result.json (and plot.png) here.")
 @click.option("--plot", is_flag=True, help="With --out: also write plot.png (tok/s vs concurrency, cold vs warm TTFT).")
 def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_prefix, compare, gguf, hf_model, vram,
-          draft, draft_max, context, timeout, json_mode, out, plot):
+          draft, draft_max, context, timeout, rpc, json_mode, out, plot):
     """Measure decode-only and wall-clock speed, optionally side by side.
 
     Every run reports load time, time to first token, prefill, decode-only and wall-clock tok/s
@@ -60,6 +61,7 @@ def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_pr
     """
     from gemmactl.bench.report import plot_in_child, render_text, sections, write_result
     from gemmactl.bench.runner import BenchConfig, check_config, parse_concurrency, run_bench
+    from gemmactl.cli.run import _workers
     from gemmactl.errors import InvalidOptionError
     from gemmactl.store import Store
 
@@ -75,7 +77,7 @@ def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_pr
         recipe=recipe, model=model, tier=tier, prompts=prompts, max_tokens=max_tokens,
         concurrency=parse_concurrency(concurrency), repeat=repeat, warm_prefix=warm_prefix, compare=list(compare),
         gguf=gguf, hf_model=hf_model, vram_bytes=vram_bytes, draft=draft, draft_max=draft_max, context=context, timeout_s=timeout,
-        flags=dict(ctx.params), argv=_command_args(ctx),
+        rpc=_workers(rpc), flags=dict(ctx.params), argv=_command_args(ctx),
     )
     check_config(config)
     if plot:

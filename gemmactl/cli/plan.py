@@ -20,9 +20,10 @@ from gemmactl.sizes import format_size
 @click.option("--hardware", metavar="PROFILE", help="Plan for a shipped hardware profile (desktop-4g, dgx-spark) instead of this machine.")
 @click.option("--profile", "remeasure", is_flag=True, help="Measure this machine again instead of using the cached profile.")
 @click.option("--verify", is_flag=True, help="Run a short real decode with the plan and compare it with the prediction.")
+@click.option("--rpc", "rpc", multiple=True, metavar="HOST:PORT[=SIZE]", help="Split the model across this machine and llama.cpp RPC workers lending SIZE each (without =SIZE: what the worker reports free); repeatable or comma-separated.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the plan as JSON (schema in docs/placement.md).")
 @click.option("--out", "out", metavar="FILE", type=click.Path(dir_okay=False), help="Write the plan as JSON to FILE (atomically).")
-def plan(model, vram, ram, context, parallel, backend, quant, hardware, remeasure, verify, json_mode, out):
+def plan(model, vram, ram, context, parallel, backend, quant, hardware, remeasure, verify, rpc, json_mode, out):
     """Place a model's layers under a VRAM budget and predict its speed.
 
     MODEL is a store name, a .gguf file, an int4-stream folder, a Hugging Face checkpoint folder,
@@ -53,7 +54,7 @@ def plan(model, vram, ram, context, parallel, backend, quant, hardware, remeasur
                                      param_hint="--out")
     result = build_plan(
         model, vram=vram, ram=ram, context=context, parallel=parallel, backend=backend, quant=quant,
-        hardware=hardware, remeasure=remeasure,
+        hardware=hardware, remeasure=remeasure, rpc=tuple(rpc),
     )
     for message in result.warnings:
         warn(message)
@@ -120,6 +121,8 @@ def render(data: dict) -> str:
         lines.append(f"{item['name']}: {item['device']} ({item['bytes'] / 2**20:.1f} MiB)")
     if engine:
         return "\n".join(lines + _render_engine(data, engine))
+    if data.get("rpc"):
+        return "\n".join(lines + _render_rpc(data, data["rpc"]))
     gpu, cpu = totals["gpu"], totals["cpu"]
     lines += [
         "",
@@ -157,5 +160,22 @@ def _render_engine(data: dict, engine: dict) -> list[str]:
         f"least that works: {format_size(engine['minimum_vram_bytes'])}",
         f"host memory: {format_size(engine['host_bytes'])}; over the link per token: {format_size(engine['link_bytes_per_token'])}",
         f"predicted: decode {engine['decode_tok_s']:.1f} tok/s",
+    ]
+    return lines + [f"note: {note}" for note in data["notes"]]
+
+
+def _render_rpc(data: dict, split: dict) -> list[str]:
+    """The split across this machine and its RPC workers, and what the network costs per token."""
+    lines = [""]
+    for device in split["devices"]:
+        span = f"layers {device['layers'][0]}–{device['layers'][1]}" if device["layers"] else "no layers"
+        lines.append(f"{device['name']:9} {device['address']:22} {span:16} {format_size(device['bytes'])} "
+                     f"of {format_size(device['capacity_bytes'])}")
+    link = split["assumed_link"]
+    lines += [
+        f"network: {format_size(split['link_bytes_per_token'])} per token (assumed {link['bandwidth_bytes_s'] * 8 / 1e9:g} "
+        f"Gbit/s, {link['latency_s'] * 1e3:g} ms per round trip, {link['round_trips_per_token']} round trips per worker)",
+        f"predicted: decode {split['decode_tok_s']:.1f} tok/s",
+        f"llama.cpp: {' '.join(split['server_args'])}",
     ]
     return lines + [f"note: {note}" for note in data["notes"]]

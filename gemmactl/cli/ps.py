@@ -9,16 +9,30 @@ from gemmactl.cli.output import emit_json, table
 
 
 @click.command("ps")
-@click.option("--json", "json_mode", is_flag=True, help="Print the servers as a JSON array.")
-def ps(json_mode: bool) -> None:
-    """List running gemmactl servers and their tiers.
+@click.option("--json", "json_mode", is_flag=True, help="Print the servers as a JSON array (workers: --workers --json).")
+@click.option("--workers", "workers_only", is_flag=True, help="List only the RPC workers (`gemmactl worker`).")
+def ps(json_mode: bool, workers_only: bool) -> None:
+    """List running gemmactl servers and workers.
 
-    Reads the state files under $GEMMACTL_HOME/servers, asks each server for its live state, and
-    removes the files of servers that are gone (stopping any llama-server they left behind)."""
+    Servers come with their tiers; RPC workers (`gemmactl worker`) follow.
+
+    Reads the state files under $GEMMACTL_HOME/servers and /workers, asks each server for its live
+    state, and removes the files of servers and workers that are gone (stopping any llama-server
+    they left behind)."""
+    from gemmactl.llamacpp.worker import running_workers
     from gemmactl.server.registry import fetch_health, running_servers
     from gemmactl.store import Store
 
-    live, stale = running_servers(Store())
+    store = Store()
+    workers = running_workers(store.home)
+    if workers_only:
+        if json_mode:
+            emit_json(workers)
+        else:
+            click.echo(_workers_table(workers) if workers else "No gemmactl worker is running. Start one with "
+                       "`gemmactl worker`.")
+        return
+    live, stale = running_servers(store)
     for state in live:
         health = fetch_health(state["url"], timeout=2.0)
         state["status"] = health["status"] if health else "not answering"
@@ -33,6 +47,8 @@ def ps(json_mode: bool) -> None:
         click.echo(f"Removed the state of server {state.get('pid')} ({state.get('url')}), which is gone.", err=True)
     if not live:
         click.echo("No gemmactl server is running. Start one with `gemmactl serve`.")
+        if workers:
+            click.echo("\n" + _workers_table(workers))
         return
     rows = []
     for state in live:
@@ -42,6 +58,17 @@ def ps(json_mode: bool) -> None:
                          tier.get("speculative") or "-", tier.get("placement") or tier.get("reason") or "-"])
     click.echo(table(rows, ["URL", "PID", "TIER", "STATE", "BACKEND", "BACKEND PID", "SLOTS", "QUEUE",
                             "SPECULATIVE", "PLACEMENT"]))
+    if workers:
+        click.echo("\n" + _workers_table(workers))
+
+
+def _workers_table(workers: list[dict]) -> str:
+    from gemmactl.sizes import format_size
+
+    rows = [[w["address"], str(w["pid"]), w["build"], w["protocol"],
+             format_size(w["mem_bytes"]) if w.get("mem_bytes") else "no limit", w.get("cache") or "-"]
+            for w in workers]
+    return table(rows, ["WORKER", "PID", "BUILD", "RPC", "MEM", "CACHE"])
 
 
 @click.command("stop")

@@ -24,8 +24,9 @@ from gemmactl.sizes import format_size
 @click.option("--show-thinking", is_flag=True, help="Also print what the model thinks before answering.")
 @click.option("--raw", is_flag=True, help="Send the prompt as is: no chat template, no question frame.")
 @click.option("--stats", is_flag=True, help="Print the routing decision and speed figures to stderr.")
+@click.option("--rpc", "rpc", multiple=True, metavar="HOST:PORT[=SIZE]", help="RPC workers (`gemmactl worker`) that take a share of a GGUF's layers; repeatable or comma-separated (default: the tier's rpc).")
 @click.option("--json", "json_mode", is_flag=True, help="Print one JSON object: answer, thinking, route and stats.")
-def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show_thinking, raw, stats, json_mode):
+def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show_thinking, raw, stats, rpc, json_mode):
     """Answer a prompt with a local model, routed to a tier.
 
     The answer streams to stdout as it is generated. The PROMPT comes from the arguments, or
@@ -43,6 +44,7 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
     from gemmactl.runtime.base import GenerationStats
     from gemmactl.store import Store
 
+    workers = _workers(rpc)
     text = " ".join(prompt) if prompt else _read_stdin()
     spec = plan_run(
         text,
@@ -58,7 +60,8 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
     store = Store()
     with byte_progress("assembling the embedded model", progress_enabled(json_mode)) as progress:
         resolved = resolve_run_model(spec, store, progress=progress)
-    backend = open_backend(resolved, context=spec.tier.context, store=store, vram=spec.tier.vram)
+    backend = open_backend(resolved, context=spec.tier.context, store=store, vram=spec.tier.vram,
+                           rpc=workers or spec.tier.rpc)
     if not json_mode:
         for notice in backend.notices:
             warn(notice)
@@ -107,6 +110,15 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
         )
     if stats:
         click.echo(_stats_text(spec, resolved.path, final, backend, described), err=True)
+
+
+def _workers(values) -> tuple[str, ...]:
+    """--rpc values, checked (a malformed one is a usage error before anything loads)."""
+    from gemmactl.endpoints import parse_endpoints
+
+    entries = tuple(part.strip() for value in values for part in value.split(",") if part.strip())
+    parse_endpoints(entries)
+    return entries
 
 
 def _read_stdin() -> str:

@@ -32,8 +32,9 @@ READY_TIMEOUT_S = 900  # loading big models and starting every tier can take min
 @click.option("--no-speculative", is_flag=True, help="Turn off every tier's speculative decoding.")
 @click.option("--threads", type=click.IntRange(min=1), metavar="N", help="CPU threads per backend (default: every core).")
 @click.option("--detach", is_flag=True, help="Start the server in the background, wait until it is ready, print its URL and return.")
+@click.option("--rpc", "rpc", multiple=True, metavar="HOST:PORT[=SIZE]", help="RPC workers (`gemmactl worker`) for the default tier's llama-server (a worker serves one); repeatable or comma-separated.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the server's state as one JSON line once it is ready.")
-def serve(recipe, host, port, api_key, peers, queue, max_connections, no_speculative, threads, detach, json_mode):
+def serve(recipe, host, port, api_key, peers, queue, max_connections, no_speculative, threads, detach, rpc, json_mode):
     """Serve every tier of a recipe behind one OpenAI-compatible endpoint.
 
     Each GGUF tier gets a persistent llama-server from `gemmactl build` (prompt cache on,
@@ -58,9 +59,19 @@ def serve(recipe, host, port, api_key, peers, queue, max_connections, no_specula
 
     _check_host(host)
     resolved = resolve_recipe(recipe)  # a bad recipe fails here, before anything starts
+    if rpc:
+        from dataclasses import replace
+
+        from gemmactl.cli.run import _workers
+
+        workers = _workers(rpc)
+        tiers = dict(resolved.tiers)
+        tiers[resolved.default_tier] = replace(tiers[resolved.default_tier], rpc=workers)
+        resolved = replace(resolved, tiers=tiers)
     store = Store()
     if detach:
         args = ["--host", host, "--port", str(port), "--queue", str(queue), "--max-connections", str(max_connections)]
+        args += [a for worker in rpc for a in ("--rpc", worker)]
         args += (["--recipe", recipe] if recipe else []) + [a for peer in peers for a in ("--peer", peer)]
         args += (["--no-speculative"] if no_speculative else []) + (["--threads", str(threads)] if threads else [])
         state = _detach(store, args, api_key)

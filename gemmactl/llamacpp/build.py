@@ -27,7 +27,8 @@ from gemmactl.store import Store, utc_now
 BUILD_FORMAT = "gemmactl-llama-build"
 BUILD_VERSION = 1
 BACKENDS = ("auto", "cpu", "cuda", "vulkan")
-BINARIES = ("llama-server", "llama-cli", "llama-quantize", "llama-bench", "llama-imatrix", "llama-perplexity")
+BINARIES = ("llama-server", "llama-cli", "llama-quantize", "llama-bench", "llama-imatrix", "llama-perplexity",
+            "ggml-rpc-server")  # the last: `gemmactl worker`, a box that lends its memory to another's model
 
 # Nothing in a build may reach the network: no prebuilt web UI, no HTTPS client.
 COMMON_FLAGS = (
@@ -40,6 +41,7 @@ COMMON_FLAGS = (
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
+    "-DGGML_RPC=ON",  # --rpc on the head, ggml-rpc-server on workers (docs/rpc.md)
 )
 
 # /proc/cpuinfo flag → ggml option. AMX is left off on purpose: the AMX matmul of this

@@ -11,12 +11,14 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import secrets
+import select
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from gemmactl.errors import ServerError
@@ -221,9 +223,15 @@ class LlamaServer:
         """GET a JSON endpoint (/props, /slots, ...)."""
         return self._request("GET", path, None, timeout)
 
-    def post_json(self, path: str, payload: dict, timeout: float = 60) -> dict:
-        """POST a JSON body and read a JSON answer (/tokenize, non-streamed /completion)."""
-        return self._request("POST", path, payload, timeout)
+    def post_json(self, path: str, payload: dict, timeout: float = 60,
+                  cancelled: Callable[[], bool] | None = None) -> dict:
+        """POST a JSON body and read a JSON answer (/tokenize, non-streamed /completion).
+
+        cancelled: asked every CANCEL_POLL_S while the answer is awaited; once it says True the
+        connection is closed (llama-server then cancels the task and frees its slot) and
+        RequestCancelled is raised.
+        """
+        return self._request("POST", path, payload, timeout, cancelled)
 
     def stream(self, payload: dict, *, timeout: float = 300) -> Iterator[dict]:
         """POST a streaming /completion and yield its events; the last one has "stop": true.
@@ -267,11 +275,14 @@ class LlamaServer:
         finally:
             connection.close()
 
-    def _request(self, method: str, path: str, payload: dict | None, timeout: float) -> dict:
+    def _request(self, method: str, path: str, payload: dict | None, timeout: float,
+                 cancelled: Callable[[], bool] | None = None) -> dict:
         connection = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
         try:
             body = json.dumps(payload) if payload is not None else None
             connection.request(method, path, body, self._headers({"Content-Type": "application/json"} if body else {}))
+            if cancelled is not None:
+                _await_answer(connection.sock, timeout, cancelled)
             response = connection.getresponse()
             data = response.read()
             if response.status != 200:
@@ -297,8 +308,38 @@ class LlamaServer:
             connection.close()
 
     def _last_log_line(self) -> str:
+        """Why this run stopped: the message of a ggml abort (the debugger's backtrace follows it),
+        else its first error line (the cause; the lines after it are consequences), else the last line."""
         try:
-            lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+            with open(self.log_path, "rb") as log:
+                log.seek(getattr(self, "_log_start", 0))
+                lines = [line for line in log.read().decode(errors="replace").splitlines() if line.strip()]
         except OSError:
             return "no log"
+        aborts = [m.group(1) for m in map(_ABORT.search, lines) if m]
+        if aborts:
+            return aborts[-1].strip()[:200]
+        errors = [m.group(1) for m in map(_ERROR.search, lines) if m]
+        if errors:
+            return errors[0].strip()[:200]
         return lines[-1].strip()[:200] if lines else "no output"
+
+
+CANCEL_POLL_S = 0.25
+_ERROR = re.compile(r"^[\d.]+ E (?:\S+\s+)?(\w+: .+)$")  # llama.cpp's log: "0.01.459 E func: message"
+_ABORT = re.compile(r"/ggml/src/\S+\.(?:c|cpp|cu):\d+: (.+)$")  # GGML_ABORT's "file:line: message"
+
+
+class RequestCancelled(Exception):
+    """The caller gave up on a request (its own client went away); llama-server was told by the
+    connection closing. Not a GemmactlError: nobody is left to show it to."""
+
+
+def _await_answer(sock: socket.socket, timeout: float, cancelled: Callable[[], bool]) -> None:
+    """Wait until llama-server starts answering on sock, asking `cancelled` in between."""
+    deadline = time.monotonic() + timeout
+    while not select.select([sock], [], [], CANCEL_POLL_S)[0]:
+        if cancelled():
+            raise RequestCancelled("the client went away")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer within {timeout:.0f} s")

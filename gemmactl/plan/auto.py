@@ -168,3 +168,32 @@ def engine_placement(artifact: Path, context: int, *, vram: int | None = None, m
     profile = replace(profile, vram_bytes=gpu.memory_bytes, ram_bytes=machine.ram_bytes or profile.ram_bytes)
     chosen = plan_engine(Path(artifact), profile, budget, context)
     return EnginePlacement(chosen.layers, chosen.tables_on_host, chosen.reason)
+
+
+def rpc_placement(model_path: Path, context: int, endpoints, *, parallel: int = 1, vram: int | None = None,
+                  machine: Machine | None = None, store=None) -> GpuPlacement:
+    """The split of a GGUF across this machine and its RPC workers (plan/rpc_split.py), after
+    asking every worker for its protocol and memory: an unreachable worker or one of another
+    llama.cpp build stops here with one line naming it."""
+    from gemmactl.llamacpp.build import active_build
+    from gemmactl.llamacpp.rpc import check_workers
+    from gemmactl.plan.inventory import inventory_from_gguf
+    from gemmactl.plan.profile import DEFAULT_PROFILE, cached_profile, gpu_free_bytes, load_profile
+    from gemmactl.plan.rpc_split import split_layers
+    from gemmactl.store import Store
+
+    machine = machine or detect_machine()
+    store = store or Store()
+    workers = check_workers(endpoints, active_build(store))
+    profile = cached_profile(store.home / "plan", machine) or load_profile(DEFAULT_PROFILE)
+    head_gpu = bool(machine.gpus) and gpu_capable_library(store)
+    if head_gpu:
+        gpu = machine.gpus[0]
+        free = gpu_free_bytes(gpu.index) or gpu.memory_bytes
+        head = min(vram, free) if vram else free
+    else:
+        head = machine.ram_bytes or profile.ram_bytes
+    split = split_layers(inventory_from_gguf(Path(model_path)), workers, head_bytes=head, head_gpu=head_gpu,
+                         profile=profile, context=context, parallel=parallel)
+    return GpuPlacement(True, split.reason, split.n_gpu_layers, (), tuple(split.server_args),
+                        rpc=tuple(w.endpoint.address for w in workers))

@@ -23,6 +23,7 @@ class PlanResult:
     hardware_measured: bool = False  # the profile was measured by this run
     warnings: list[str] = field(default_factory=list)
     engine: object | None = None  # plan/engine_map.EngineMap: the int4 engine's map of an int4-stream artifact
+    rpc: object | None = None  # plan/rpc_split.RpcSplit: the split across this machine and RPC workers
 
 
 def resolve_plan_model(ref: str, store) -> Path:
@@ -67,6 +68,7 @@ def build_plan(
     hardware: str | None = None,
     remeasure: bool = False,
     store=None,
+    rpc: tuple[str, ...] = (),
 ) -> PlanResult:
     """Inventory the model, pick the profile and budgets, and solve."""
     from gemmactl.store import Store
@@ -109,8 +111,30 @@ def build_plan(
         from gemmactl.plan.engine_map import plan_engine
 
         engine = plan_engine(path, profile, vram_bytes, context) if profile.has_gpu else None
+    split = None
+    if rpc:
+        if backend == "int4":
+            raise InvalidOptionError("--rpc splits a llama.cpp model; the int4 engine runs on one machine",
+                                     hint="Plan with --backend llamacpp, or leave out --rpc.")
+        split = _rpc_split(inventory, rpc, profile, vram_bytes, ram_bytes, context, parallel)
     plan.notes = notes + _plan_notes(plan, backend, quant, engine)
-    return PlanResult(plan, path, measured, warnings, engine)
+    return PlanResult(plan, path, measured, warnings, engine, split)
+
+
+def _rpc_split(inventory, rpc, profile, vram_bytes: int, ram_bytes: int, context: int, parallel: int):
+    """The split across this machine and the workers; a worker without =SIZE is asked what it has free."""
+    from gemmactl.endpoints import parse_endpoints
+    from gemmactl.llamacpp.rpc import probe
+    from gemmactl.plan.rpc_split import split_layers
+
+    class _Planned:  # a worker as the split sees it: its address and what it lends
+        def __init__(self, endpoint, lends):
+            self.endpoint, self.lends = endpoint, lends
+
+    workers = [_Planned(e, e.budget if e.budget is not None else probe(e).free_bytes) for e in parse_endpoints(rpc)]
+    head_gpu = profile.has_gpu and profile.gpu_bandwidth > 0
+    return split_layers(inventory, workers, head_bytes=vram_bytes if head_gpu else ram_bytes, head_gpu=head_gpu,
+                        profile=profile, context=context, parallel=parallel)
 
 
 def _plan_notes(plan: Plan, backend: str, quant: str | None, engine) -> list[str]:
@@ -197,6 +221,8 @@ def plan_dict(plan: Plan, result: PlanResult | None = None, verified=None) -> di
     }
     if result is not None and result.engine is not None:
         data["engine"] = result.engine.to_dict()
+    if result is not None and result.rpc is not None:
+        data["rpc"] = result.rpc.to_dict()
     if verified is not None:
         data["verify"] = verified.to_dict()
     return data

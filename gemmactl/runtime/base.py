@@ -123,6 +123,7 @@ class GpuPlacement:
     n_gpu_layers: int  # llama.cpp -ngl; -1 (all) when it fits, 0 without a usable GPU
     tensor_overrides: tuple[str, ...] = ()  # llama.cpp -ot values
     server_args: tuple[str, ...] = ()  # the llama-server flags this implies
+    rpc: tuple[str, ...] = ()  # RPC workers (HOST:PORT) holding some of the layers (--rpc)
 
     @classmethod
     def all_on_gpu(cls, reason: str = "every layer offered to the GPU") -> "GpuPlacement":

@@ -14,18 +14,15 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gemmactl.errors import BackendError, ServerError
-from gemmactl.formats.gguf_header import read_gguf_header
+from gemmactl.errors import BackendError, GemmactlError, ServerError
+from gemmactl.llamacpp.served import ServerGeneration, model_text_of
 from gemmactl.prompt.build import ModelText
-from gemmactl.runtime.base import Chunk, EngineTimings, GenerationRequest, PreparedPrompt, PromptedBackend
+from gemmactl.runtime.base import EngineTimings, GenerationRequest, PreparedPrompt, PromptedBackend
 
 log = logging.getLogger("gemmactl.serve")
 
 READY, STARTING, RESTARTING, FAILED, STOPPED = "ready", "starting", "restarting", "failed", "stopped"
 RESTART_DELAYS = (0.0, 1.0, 2.0, 5.0, 10.0)  # seconds before each restart attempt; then the backend is failed
-# A non-streamed answer: this many seconds, plus one per token asked for (the streamed path
-# allows 300 s between two tokens).
-WHOLE_ANSWER_TIMEOUT_S = 300
 
 
 class BackendDown(ServerError):
@@ -70,12 +67,15 @@ class ServerBackend:
         speculative: str = "off",
         flash_attn: str = "off",
         on_change: Callable[[], None] | None = None,
+        replan: Callable[[], tuple[Sequence[str], str]] | None = None,
     ):
         from gemmactl.llamacpp.server import LlamaServer
 
+        # replan: the placement again before a restart (RPC workers that are gone are left out).
+        self._placement, self._replan = placement, replan
         self._make = lambda: LlamaServer(
             binary, str(model_path), threads=threads, context=context, parallel=parallel, log_dir=log_dir,
-            placement=placement, extra_args=extra_args, label="-".join(tiers), flash_attn=flash_attn,
+            placement=self._placement, extra_args=extra_args, label="-".join(tiers), flash_attn=flash_attn,
         )
         self.server = self._make()
         self.model_path = str(model_path)
@@ -109,12 +109,7 @@ class ServerBackend:
 
     def _start_once(self) -> None:
         self.load_s = self.server.start()
-        props = self.server.get_json("/props")
-        # llama-server reports a fallback template for a model that has none: whether the model has
-        # its own chat template comes from the file.
-        template = read_gguf_header(Path(self.model_path), tensors=False).metadata.get("tokenizer.chat_template")
-        self.model_text = ModelText(str(template) if template else None, props.get("bos_token", ""),
-                                    props.get("eos_token", ""))
+        self.model_text = model_text_of(self.server, self.model_path)
         self.info.command = list(self.server.command)
         refused = self.server.speculation_refused()
         if refused:
@@ -136,9 +131,11 @@ class ServerBackend:
                     return
                 try:
                     self.server.stop()
+                    if self._replan is not None:
+                        self._placement, self.info.placement = self._replan()
                     self.server = self._make()
                     self._start_once()
-                except ServerError as exc:
+                except (ServerError, GemmactlError) as exc:
                     log.warning("restarting llama-server for %s failed: %s", ", ".join(self.info.tiers), exc)
                     continue
                 self.restarts += 1
@@ -159,18 +156,19 @@ class ServerBackend:
         self.server.stop()
         self.state = STOPPED
 
-    def session(self) -> "ServerSession":
-        return ServerSession(self)
+    def session(self, client_gone: Callable[[], bool] | None = None) -> "ServerSession":
+        return ServerSession(self, client_gone)
 
 
-class ServerSession(PromptedBackend):
+class ServerSession(ServerGeneration):
     """One request against a ServerBackend, shaped as a `Backend` for `stream_generate`."""
 
     name = "llama-server"
 
-    def __init__(self, backend: ServerBackend):
+    def __init__(self, backend: ServerBackend, client_gone: Callable[[], bool] | None = None):
         self.backend = backend
         self.server = backend.server  # the process of this request, even if a restart replaces it
+        self.client_gone = client_gone  # a whole answer is abandoned (and its slot freed) once this says so
         self.model_path = backend.model_path
         self.load_s = backend.load_s
         self.context_size = backend.context
@@ -178,11 +176,6 @@ class ServerSession(PromptedBackend):
 
     def model_text(self) -> ModelText:
         return self.backend.model_text
-
-    def tokenize(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
-        # Tokenized by the server itself, with the flags the in-process backend uses.
-        return self.server.post_json("/tokenize", {"content": text, "add_special": add_bos,
-                                                   "parse_special": special})["tokens"]
 
     def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         tiers = "/".join(self.backend.info.tiers)
@@ -196,52 +189,6 @@ class ServerSession(PromptedBackend):
             if not self.server.alive():
                 raise BackendDown(f"the llama-server of tier {tiers} stopped and is restarting") from None
             raise
-
-    def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str | Chunk]:
-        # A stop made only of whitespace applies only once the answer has begun (prompt/stops.py),
-        # which llama-server cannot do: such a prompt streams, and the core stops it.
-        if request.whole and all(stop.strip() for stop in prompt.stops):
-            yield self._whole(prompt, request)
-            return
-        # Timings on every event: the core may stop reading before the final one (max_tokens, a stop).
-        for event in self.server.stream(self._payload(prompt, request) | {"timings_per_token": True}):
-            self.final = event
-            if event.get("stop"):
-                if event.get("content"):
-                    yield event["content"]
-                return
-            yield event.get("content", "")
-
-    def _whole(self, prompt: PreparedPrompt, request: GenerationRequest) -> Chunk:
-        """The answer in one non-streamed /completion: llama-server sends no event per token and
-        stops at the prompt's stop strings itself (its text leaves them out)."""
-        payload = self._payload(prompt, request) | {"stop": list(prompt.stops)}
-        # No event arrives before the end: allow the whole answer's time, as the streamed path allows per token.
-        self.final = self.server.post_json("/completion", payload, timeout=WHOLE_ANSWER_TIMEOUT_S + request.max_tokens)
-        stopped = self.final.get("stop_type") == "word"
-        return Chunk(self.final.get("content", ""), int(self.final.get("tokens_predicted", 0)),
-                     "stop" if stopped else None, self.final.get("stopping_word") or None if stopped else None)
-
-    def _payload(self, prompt: PreparedPrompt, request: GenerationRequest) -> dict:
-        return {
-            "prompt": prompt.tokens, "n_predict": request.max_tokens, "cache_prompt": True,
-            "seed": -1 if request.seed is None else request.seed,
-            **self.server.sampling_fields(request.temperature, request.top_k, request.top_p, request.min_p,
-                                          request.repeat_penalty),
-        }
-
-    def engine_timings(self) -> EngineTimings | None:
-        timings = self.final.get("timings")
-        if not timings:
-            return None
-        return EngineTimings(timings.get("prompt_ms", 0) / 1000, int(timings.get("prompt_n", 0)),
-                             timings.get("predicted_ms", 0) / 1000, int(timings.get("predicted_n", 0)))
-
-    def counters(self) -> dict:
-        """Prompt-cache and speculative counters of the finished request."""
-        timings = self.final.get("timings", {})
-        return {"cached_tokens": int(timings.get("cache_n", 0)), "draft_tokens": int(timings.get("draft_n", 0)),
-                "draft_accepted": int(timings.get("draft_n_accepted", 0))}
 
     def close(self) -> None:
         pass
@@ -271,7 +218,8 @@ class InProcessBackend:
         self.state = STOPPED
         self.loaded.close()
 
-    def session(self) -> "InProcessSession":
+    def session(self, client_gone: Callable[[], bool] | None = None) -> "InProcessSession":
+        # Token by token: the front checks its client between tokens itself.
         return InProcessSession(self)
 
 

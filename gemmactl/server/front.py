@@ -12,6 +12,7 @@ import http.client
 import io
 import json
 import logging
+import select
 import socket
 import sys
 import threading
@@ -21,6 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from gemmactl.errors import BackendError, GemmactlError, ServerError, UnknownTierError, UserInputError
 from gemmactl.generate import stream_generate
+from gemmactl.llamacpp.server import RequestCancelled
 from gemmactl.runtime.base import GenerationStats
 from gemmactl.server import api
 from gemmactl.server.backends import BackendDown
@@ -35,6 +37,7 @@ MAX_BODY = 16 * 2**20
 PEER_TIMEOUT_S = 600
 READ_TIMEOUT_S = 30.0  # to read one whole request (line, headers, body), and the longest idle keep-alive
 WRITE_TIMEOUT_S = 60.0  # for one write to a client that stopped reading
+CLIENT_CHECK_S = 0.25  # how often an answer being generated looks whether its client is still there
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 2\r\n"
          b"Connection: close\r\nContent-Length: %d\r\n\r\n%s")
 
@@ -200,7 +203,7 @@ class FrontHandler(BaseHTTPRequestHandler):
             log.debug("client went away during a %s request", routed.tier)
 
     def _generate(self, routed: api.Routed, lane) -> None:
-        session = lane.backend.session()
+        session = lane.backend.session(client_gone=self._client_gone)
         events = stream_generate(session, routed.request)
         try:
             first = self._next(events, lane)  # before any header: errors here get a proper status
@@ -218,6 +221,8 @@ class FrontHandler(BaseHTTPRequestHandler):
             return next(events)
         except StopIteration:
             return None
+        except RequestCancelled:
+            raise _ClientGone() from None  # a whole answer abandoned: llama-server freed the slot
         except BackendDown:
             raise  # nothing sent yet: answered 503 with Retry-After (or by a peer) like a down tier
         except (BackendError, ServerError) as exc:
@@ -231,8 +236,10 @@ class FrontHandler(BaseHTTPRequestHandler):
     def _collect(self, routed, lane, session, first, events) -> None:
         parts = {"answer": [], "thinking": []}
         stats = None
+        watch = _ClientWatch(self._client_gone)
         try:
             for event in _chain(first, events):
+                watch.check()
                 if isinstance(event, GenerationStats):
                     stats = event
                 else:
@@ -251,8 +258,10 @@ class FrontHandler(BaseHTTPRequestHandler):
             self._event(api.chunk(routed, first=True))
         stats = None
         started = False  # chat answers lose their leading whitespace, as `run` strips them
+        watch = _ClientWatch(self._client_gone)  # hidden thinking writes nothing for a while
         try:
             for event in _chain(first, events):
+                watch.check()
                 if isinstance(event, GenerationStats):
                     stats = event
                     continue
@@ -337,6 +346,15 @@ class FrontHandler(BaseHTTPRequestHandler):
                                        "authentication_error", 401), {"WWW-Authenticate": "Bearer"})
         return False
 
+    def _client_gone(self) -> bool:
+        """True once the client has closed its side (a next request already sent does not count)."""
+        try:
+            if not select.select([self.connection], [], [], 0)[0]:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
     def _error(self, exc: GemmactlError) -> None:
         if isinstance(exc, UnknownTierError):
             status, kind = 404, "not_found_error"
@@ -389,6 +407,22 @@ class FrontHandler(BaseHTTPRequestHandler):
 
 
 _FAILED = object()
+
+
+class _ClientWatch:
+    """Asks whether the client went away at most every CLIENT_CHECK_S; raises _ClientGone if so,
+    which ends the request: its events are closed and llama-server's task with them."""
+
+    def __init__(self, gone):
+        self.gone = gone
+        self.next = time.monotonic() + CLIENT_CHECK_S
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now >= self.next:
+            self.next = now + CLIENT_CHECK_S
+            if self.gone():
+                raise _ClientGone()
 
 
 def _chain(first, events):

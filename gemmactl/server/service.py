@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gemmactl.errors import GemmactlError, NoLlamaBuildError, PortInUseError, ServeAddressError
+from gemmactl.errors import GemmactlError, InvalidOptionError, NoLlamaBuildError, PortInUseError, ServeAddressError
 from gemmactl.recipes import Recipe
 from gemmactl.store.refs import ResolvedModel
 from gemmactl.server.backends import InProcessBackend, ServerBackend
@@ -63,7 +63,8 @@ class BackendPlan:
     slots_note: str = ""  # why a `parallel: auto` tier got its slots
     flash_attn: str = "off"  # llama-server -fa (the tiers' recipe flash_attn)
     backend_sampling: bool = False  # llama-server --backend-sampling (the tiers' recipe backend_sampling)
-    vram: int | None = None  # the tiers' GPU budget for an in-process backend's placement
+    vram: int | None = None  # the tiers' GPU budget (recipe vram)
+    rpc: tuple[str, ...] = ()  # the tiers' RPC workers (recipe rpc), for llama.cpp tiers
 
 
 def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_build: bool
@@ -95,7 +96,8 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
         if kind == "llamacpp" and server_binary is not None:
             if slots == "auto":
                 slots, slots_note = auto_slots(path, tier.context, store)
-            key = ("llama-server", str(path), tier.context, slots, spec_args, tier.flash_attn, tier.backend_sampling)
+            key = ("llama-server", str(path), tier.context, slots, spec_args, tier.flash_attn, tier.backend_sampling,
+                   tier.vram, tier.rpc)
             kind = "llama-server"
         else:
             if kind == "llamacpp":
@@ -106,7 +108,7 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
             for field, value in (("flash_attn", tier.flash_attn != "off"), ("backend_sampling", tier.backend_sampling)):
                 if value:
                     warnings.append(f"tier {name}: {field} needs llama-server; it is off for this tier")
-            key = (kind, str(path), tier.context, tier.vram)
+            key = (kind, str(path), tier.context, tier.vram, tier.rpc)
             spec_args, spec_note = (), "off"
         if key in plans:
             plans[key].tiers.append(name)
@@ -115,8 +117,38 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
             served = kind == "llama-server"
             plans[key] = BackendPlan(key, kind, model, [name], tier.context, parallel, spec_args, spec_note, slots_note,
                                      tier.flash_attn if served else "off", tier.backend_sampling and served,
-                                     None if served else tier.vram)
+                                     tier.vram, tier.rpc)
+    _one_head_per_worker(plans.values())
     return list(plans.values()), unavailable, warnings
+
+
+def _one_head_per_worker(plans) -> None:
+    """A worker serves one head at a time: two backends naming one worker would wait on each other."""
+    owner: dict[str, BackendPlan] = {}
+    for plan in plans:
+        for worker in plan.rpc:
+            address = worker.split("=", 1)[0]
+            if address in owner:
+                raise InvalidOptionError(
+                    f"the RPC worker {address} is named by tiers {', '.join(owner[address].tiers)} and "
+                    f"{', '.join(plan.tiers)}, which run separate backends; a worker serves one at a time",
+                    hint="Give each tier its own workers, or the same model and settings so that they share a server.")
+            owner[address] = plan
+
+
+def reachable_workers(workers: tuple[str, ...], tiers) -> tuple[str, ...]:
+    """The RPC workers that answer now; the others are left out, each with a warning."""
+    from gemmactl.endpoints import parse_endpoint
+    from gemmactl.llamacpp.rpc import WorkerError, probe
+
+    kept = []
+    for worker in workers:
+        try:
+            probe(parse_endpoint(worker))
+            kept.append(worker)
+        except WorkerError as exc:
+            log.warning("tiers %s: %s; restarting without it", ",".join(tiers), exc.message)
+    return tuple(kept)
 
 
 def auto_slots(model_path: Path, context: int, store: Store) -> tuple[int, str]:
@@ -214,19 +246,25 @@ class Service:
         if plan.kind == "llama-server":
             from gemmactl.llamacpp.build import active_build
 
-            # The placement `run` would use, with this tier's slots.
-            placed = gpu_placement(plan.model.path, plan.context, parallel=plan.parallel, store=self.store)
-            placement = placed.llama_server_args
-            note = f"planned: {placed.reason}" if placed.applied else placed.reason
-            if plan.slots_note:
-                note = f"{note}; {plan.slots_note}"
+            def place(workers: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+                # The placement `run` would use, with this tier's slots.
+                placed = gpu_placement(plan.model.path, plan.context, parallel=plan.parallel, store=self.store,
+                                       vram=plan.vram, rpc=workers)
+                note = f"planned: {placed.reason}" if placed.applied else placed.reason
+                return placed.llama_server_args, f"{note}; {plan.slots_note}" if plan.slots_note else note
+
+            def replan() -> tuple[tuple[str, ...], str]:
+                # Before a restart: the workers that still answer (a dead one took its llama-server down).
+                return place(reachable_workers(plan.rpc, plan.tiers))
+
+            placement, note = place(plan.rpc)
             build = active_build(self.store)
             backend = ServerBackend(
                 build.binary("llama-server"), plan.model.path, tiers=plan.tiers, context=plan.context,
                 parallel=plan.parallel, threads=threads, log_dir=self.store.home / "logs" / "serve",
                 placement=placement, placement_note=note, speculative=plan.spec_note,
                 extra_args=plan.spec_args + (("--backend-sampling",) if plan.backend_sampling else ()),
-                flash_attn=plan.flash_attn, on_change=self.write_state,
+                flash_attn=plan.flash_attn, on_change=self.write_state, replan=replan if plan.rpc else None,
             )
             backend.start()
             log.info("tiers %s: llama-server pid %s on port %s, %d slots of %d tokens, -fa %s, backend sampling %s, "
@@ -234,7 +272,8 @@ class Service:
                      plan.parallel, plan.context, plan.flash_attn, "on" if plan.backend_sampling else "off", note,
                      backend.info.speculative, time.perf_counter() - started)
             return backend
-        loaded = open_backend(plan.model, context=plan.context, store=self.store, threads=threads, vram=plan.vram)
+        loaded = open_backend(plan.model, context=plan.context, store=self.store, threads=threads, vram=plan.vram,
+                              rpc=plan.rpc)
         for notice in loaded.notices:
             log.warning(notice)
         log.info("tiers %s: %s in process, one request at a time (%.1f s)", ",".join(plan.tiers), plan.kind,
