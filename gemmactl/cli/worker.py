@@ -56,19 +56,19 @@ def worker(host, port, mem, cache_dir, threads, json_mode):
              "or keep --host 127.0.0.1 and reach it through an SSH tunnel.")
     running = start_worker(build, Endpoint(host, port), home=store.home, threads=threads,
                            cache_dir=Path(cache_dir).expanduser() if cache_dir else None, mem=budget)
-    info = running.info
-    if json_mode:
-        click.echo(json.dumps({"pid": running.pid, "log": str(running.log_path), **info.to_dict(),
-                               "mem_bytes": budget, "build": build.build_id}))
-    else:
-        lends = format_size(budget) if budget else f"all {format_size(info.free_bytes)} free"
-        click.echo(f"worker on {host}:{port} (pid {running.pid}, build {build.build_id}, RPC protocol {info.version}); "
-                   f"lends {lends}; log: {running.log_path}. Ctrl-C stops it.", err=True)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
+    try:  # from here on, whatever ends this process stops the server too
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        info = running.info
+        if json_mode:
+            click.echo(json.dumps({"pid": running.pid, "log": str(running.log_path), **info.to_dict(),
+                                   "mem_bytes": budget, "build": build.build_id}))
+        else:
+            lends = format_size(budget) if budget else f"all {format_size(info.free_bytes)} free"
+            click.echo(f"worker on {host}:{port} (pid {running.pid}, build {build.build_id}, RPC protocol "
+                       f"{info.version}); lends {lends}; log: {running.log_path}. Ctrl-C stops it.", err=True)
         code = running.process.wait()
         raise click.ClickException(f"ggml-rpc-server exited (code {code}); see its log: {running.log_path}")
     except KeyboardInterrupt:
-        pass
+        pass  # Ctrl-C or SIGTERM: the way a worker is stopped
     finally:
         running.stop()

@@ -67,7 +67,7 @@ def start_worker(build, endpoint: Endpoint, *, home: Path, threads: int | None =
     binary = build.binary("ggml-rpc-server")
     if not binary.exists():
         raise ServerError(f"the active llama.cpp build ({build.build_id}) has no ggml-rpc-server",
-                          hint="Run `gemmactl build --force` to rebuild it with the RPC backend.")
+                          hint="Run `gemmactl build`: this version builds the RPC backend too.")
     command = [str(binary), "-H", endpoint.host, "-p", str(endpoint.port)]
     if threads:
         command += ["-t", str(threads)]
@@ -90,6 +90,21 @@ def start_worker(build, endpoint: Endpoint, *, home: Path, threads: int | None =
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=env, start_new_session=True, preexec_fn=limit)
     worker = WorkerProcess(endpoint, process, log_path, folder / f"{process.pid}.json")
+    try:
+        _wait_until_it_answers(worker, log_path)
+    except BaseException:  # Ctrl-C while starting included: never leave the server behind
+        worker.stop()
+        raise
+    state = {"pid": process.pid, "address": endpoint.address, "build": build.build_id,
+             "protocol": worker.info.version, "devices": worker.info.devices, "free_bytes": worker.info.free_bytes,
+             "mem_bytes": mem, "cache": str(cache_dir) if cache_dir else None, "log": str(log_path),
+             "started": time.time()}
+    atomic_write_text(worker.state_path, json.dumps(state, indent=2, sort_keys=True))
+    return worker
+
+
+def _wait_until_it_answers(worker: WorkerProcess, log_path: Path) -> None:
+    endpoint, process = worker.endpoint, worker.process
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if not worker.alive():
@@ -100,16 +115,9 @@ def start_worker(build, endpoint: Endpoint, *, home: Path, threads: int | None =
             break
         except WorkerError:
             if time.monotonic() > deadline:
-                worker.stop()
                 raise ServerError(f"ggml-rpc-server did not answer on {endpoint} within {START_TIMEOUT_S:.0f} s",
                                   hint=f"See its log: {log_path}") from None
             time.sleep(0.1)
-    state = {"pid": process.pid, "address": endpoint.address, "build": build.build_id,
-             "protocol": worker.info.version, "devices": worker.info.devices, "free_bytes": worker.info.free_bytes,
-             "mem_bytes": mem, "cache": str(cache_dir) if cache_dir else None, "log": str(log_path),
-             "started": time.time()}
-    atomic_write_text(worker.state_path, json.dumps(state, indent=2, sort_keys=True))
-    return worker
 
 
 def running_workers(home: Path) -> list[dict]:
