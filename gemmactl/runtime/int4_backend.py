@@ -56,7 +56,25 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-class Int4Backend(PromptedBackend):
+class HfTokenizerText(PromptedBackend):
+    """Prompt text and tokens from a transformers tokenizer (`self.tokenizer`, `self.chat_template`):
+    the int4 artifacts' backends, the engine and the transformers path, share them."""
+
+    tokenizer = None
+    chat_template: str | None = None
+
+    def model_text(self) -> ModelText:
+        tok = self.tokenizer
+        return ModelText(self.chat_template, tok.bos_token or "", tok.eos_token or "")
+
+    def tokenize(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
+        # The tokenizer always parses special tokens in text; add_bos decides the BOS token alone.
+        tok = self.tokenizer
+        tokens = tok(text, add_special_tokens=False)["input_ids"]
+        return [tok.bos_token_id, *tokens] if add_bos and tok.bos_token_id is not None else tokens
+
+
+class Int4Backend(HfTokenizerText):
     """One int4-stream artifact in a transformers model, generating token by token.
 
     weights: "dense" (dequantize once at load), "packed" (keep packed, dequantize per call) or
@@ -123,17 +141,7 @@ class Int4Backend(PromptedBackend):
         # transformers 5.24 renamed `past_key_values` to `cache` (argument and output); older ones lack it.
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
-    # -- Backend protocol ------------------------------------------------------------------------
-
-    def model_text(self) -> ModelText:
-        tok = self.tokenizer
-        return ModelText(self.chat_template, tok.bos_token or "", tok.eos_token or "")
-
-    def tokenize(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
-        # The tokenizer always parses special tokens in text; add_bos decides the BOS token alone.
-        tok = self.tokenizer
-        tokens = tok(text, add_special_tokens=False)["input_ids"]
-        return [tok.bos_token_id, *tokens] if add_bos and tok.bos_token_id is not None else tokens
+    # -- Backend protocol (model_text and tokenize: HfTokenizerText) -------------------------------
 
     def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str]:
         """Yield each new token's text; stop at an end-of-generation token or max_tokens."""

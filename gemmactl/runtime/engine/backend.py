@@ -13,10 +13,8 @@ from pathlib import Path
 from typing import Iterator
 
 from gemmactl.errors import BackendError
-from gemmactl.prompt.build import ModelText
-from gemmactl.runtime.base import (
-    REPEAT_LAST_N, EngineTimings, GenerationRequest, PreparedPrompt, PromptedBackend,
-)
+from gemmactl.runtime.base import REPEAT_LAST_N, EngineTimings, GenerationRequest, PreparedPrompt
+from gemmactl.runtime.int4_backend import HfTokenizerText
 
 CHUNK = 256  # prefill tokens per step
 DEVICE_ENV = "GEMMACTL_INT4_DEVICE"  # auto | cpu | cuda[:N]
@@ -49,7 +47,7 @@ def engine_dtype():
     return getattr(torch, name)
 
 
-class EngineBackend(PromptedBackend):
+class EngineBackend(HfTokenizerText):
     """One int4-stream artifact loaded in the engine, generating token by token."""
 
     name = "int4"
@@ -105,17 +103,7 @@ class EngineBackend(PromptedBackend):
                 "placement": self.model.placement.summary(), "cuda_graph": self.decoder.graph is not None,
                 "compiled": self.decoder.compiled, "setup_s": round(self.decoder.setup_s, 3), **self.model.memory()}
 
-    # -- Backend protocol ------------------------------------------------------------------------
-
-    def model_text(self) -> ModelText:
-        tok = self.tokenizer
-        return ModelText(self.chat_template, tok.bos_token or "", tok.eos_token or "")
-
-    def tokenize(self, text: str, *, add_bos: bool, special: bool) -> list[int]:
-        # The tokenizer always parses special tokens in text; add_bos decides the BOS token alone.
-        tok = self.tokenizer
-        tokens = tok(text, add_special_tokens=False)["input_ids"]
-        return [tok.bos_token_id, *tokens] if add_bos and tok.bos_token_id is not None else tokens
+    # -- Backend protocol (model_text and tokenize: HfTokenizerText) -------------------------------
 
     def generate(self, prompt: PreparedPrompt, request: GenerationRequest) -> Iterator[str]:
         import torch
