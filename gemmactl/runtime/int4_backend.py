@@ -56,6 +56,19 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+def open_runnable_artifact(model_path):
+    """An int4-stream artifact that carries its tokenizer (both int4 backends need one)."""
+    from gemmactl.formats.int4.reader import open_artifact
+
+    artifact = open_artifact(Path(model_path))
+    if not artifact.index.get("tokenizer"):
+        raise BackendError(
+            f"{model_path} has no tokenizer files",
+            hint="Quantize a checkpoint that includes its tokenizer (tokenizer.json, tokenizer_config.json).",
+        )
+    return artifact
+
+
 class HfTokenizerText(PromptedBackend):
     """Prompt text and tokens from a transformers tokenizer (`self.tokenizer`, `self.chat_template`):
     the int4 artifacts' backends, the engine and the transformers path, share them."""
@@ -102,7 +115,6 @@ class Int4Backend(HfTokenizerText):
         import torch
         from transformers import AutoTokenizer
 
-        from gemmactl.formats.int4.reader import open_artifact
         from gemmactl.runtime.int4_model import build_model
         from gemmactl.runtime.int4_packed import build_packed_model
         from gemmactl.runtime.llamacpp import default_threads
@@ -119,12 +131,7 @@ class Int4Backend(HfTokenizerText):
             raise BackendError(f"unknown int4 weights mode {weights!r}", hint="Use dense, packed or auto.")
         self.weights = ("packed" if self.device != "cpu" else "dense") if weights == "auto" else weights
         start = time.perf_counter()
-        artifact = open_artifact(Path(model_path))
-        if not artifact.index.get("tokenizer"):
-            raise BackendError(
-                f"{model_path} has no tokenizer files",
-                hint="Quantize a checkpoint that includes its tokenizer (tokenizer.json, tokenizer_config.json).",
-            )
+        artifact = open_runnable_artifact(model_path)
         build = build_packed_model if self.weights == "packed" else build_model
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)

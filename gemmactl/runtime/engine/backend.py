@@ -14,7 +14,7 @@ from typing import Iterator
 
 from gemmactl.errors import BackendError
 from gemmactl.runtime.base import REPEAT_LAST_N, EngineTimings, GenerationRequest, PreparedPrompt
-from gemmactl.runtime.int4_backend import HfTokenizerText
+from gemmactl.runtime.int4_backend import HfTokenizerText, open_runnable_artifact
 
 CHUNK = 256  # prefill tokens per step
 DEVICE_ENV = "GEMMACTL_INT4_DEVICE"  # auto | cpu | cuda[:N]
@@ -57,7 +57,6 @@ class EngineBackend(HfTokenizerText):
         import torch
         from transformers import AutoTokenizer
 
-        from gemmactl.formats.int4.reader import open_artifact
         from gemmactl.runtime.engine.graph import DecodeStep
         from gemmactl.runtime.engine.model import GemmaModel
         from gemmactl.runtime.llamacpp import default_threads
@@ -68,12 +67,7 @@ class EngineBackend(HfTokenizerText):
         self.device = engine_device(device)
         self.dtype = dtype or engine_dtype()
         start = time.perf_counter()
-        artifact = open_artifact(Path(model_path))
-        if not artifact.index.get("tokenizer"):
-            raise BackendError(
-                f"{model_path} has no tokenizer files",
-                hint="Quantize a checkpoint that includes its tokenizer (tokenizer.json, tokenizer_config.json).",
-            )
+        artifact = open_runnable_artifact(model_path)
         limit = int(artifact.config.get("max_position_embeddings") or context_size)
         self.context_size = min(context_size, limit)
         try:
