@@ -3,6 +3,7 @@
     python benchmarks/engine_gpu.py kernels  --artifact ART [--tokens 128] [--variants ...]
     python benchmarks/engine_gpu.py fidelity --artifact ART [--steps 64]
     python benchmarks/engine_gpu.py start    --artifact ART --checkpoint CKPT
+    python benchmarks/engine_gpu.py profile  --artifact ART [--steps 32]
     python benchmarks/engine_gpu.py prompts  OUT.txt
 
 kernels: one process per variant (kernel × compile × CUDA graph), each loading the artifact,
@@ -17,6 +18,10 @@ fidelity: the engine (bfloat16, its kernels, the captured decode step) against t
 start: time to the first token of a new `gemmactl run` process (load, repack, compile,
   capture, one token): cold (no engine cache, no compiled code on disk), then warm; beside
   transformers `from_pretrained` of the bf16 checkpoint onto the GPU and one generated token.
+profile: where a decode step's GPU time goes: the compiled step run uncaptured under
+  torch.profiler (the kernels a graph replays are the same), summed per kernel and per step; and
+  the captured step replayed back to back without the host reading tokens (the GPU's own rate)
+  beside the same with the host reading each token (what generation does).
 prompts: a prompt file for `gemmactl bench --prompts`: one short prompt and one of about 512
   tokens.
 
@@ -207,6 +212,64 @@ def start(args) -> dict:
     return result
 
 
+def profile(args) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from gemmactl.formats.int4.reader import open_artifact
+    from gemmactl.runtime.engine.graph import DecodeStep
+    from gemmactl.runtime.engine.model import GemmaModel
+
+    art = open_artifact(Path(args.artifact))
+    with torch.inference_mode():
+        model = GemmaModel(art, device="cuda", dtype=torch.bfloat16, context=1024)
+    os.environ["GEMMACTL_ENGINE_GRAPH"] = "off"
+    eager = DecodeStep(model, cache_dir=Path(args.artifact) / "engine-cache" / "inductor")
+    token = torch.tensor(PROMPT[-1], device="cuda")
+    # The step as the graph holds it: static shapes, every slot read (no host-known end, which a
+    # compiled step would specialize on and recompile for at each position).
+    tokens, position = token.reshape(1), torch.zeros(1, dtype=torch.long, device="cuda")
+    with torch.inference_mode():
+        for i in range(3):
+            position.fill_(i)
+            eager._step(tokens, position)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(args.steps):
+                position.fill_(3 + i)
+                eager._step(tokens, position)
+            torch.cuda.synchronize()
+    per_kernel: dict = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name[:90]
+            total, count = per_kernel.get(name, (0.0, 0))
+            per_kernel[name] = (total + event.time_range.elapsed_us(), count + 1)
+    gpu_us = sum(t for t, _ in per_kernel.values()) / args.steps
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
+    os.environ["GEMMACTL_ENGINE_GRAPH"] = "on"
+    model.reset()
+    graph = DecodeStep(model, cache_dir=Path(args.artifact) / "engine-cache" / "inductor")
+    rates = {}
+    with torch.inference_mode():
+        for label, read in (("replay only", False), ("replay, argmax, host reads token", True)):
+            model.reset()
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            for i in range(args.steps * 4):
+                logits = graph(token, i)
+                if read:
+                    token = torch.argmax(logits)
+                    int(token)
+            torch.cuda.synchronize()
+            rates[label] = args.steps * 4 / (time.perf_counter() - begin)
+    return {"command": " ".join(sys.argv), "gpu_us_per_step": gpu_us, "kernels_per_step":
+            sum(c for _, c in per_kernel.values()) / args.steps, "tok_s": rates,
+            "top_kernels_us_per_step": {name: round(t / args.steps, 1) for name, (t, _) in top},
+            **model.memory()}
+
+
 def prompts(args) -> dict:
     words = ("The harbour town kept its records in a long stone hall by the water, where clerks wrote down every "
              "ship that came and went, the weather of each morning, the price of salt and grain, and the names of "
@@ -233,13 +296,17 @@ def main() -> None:
     s = sub.add_parser("start")
     s.add_argument("--artifact", required=True)
     s.add_argument("--checkpoint", required=True)
+    r = sub.add_parser("profile")
+    r.add_argument("--artifact", required=True)
+    r.add_argument("--steps", type=int, default=32)
     p = sub.add_parser("prompts")
     p.add_argument("out")
     args = parser.parse_args()
     if args.cmd == "_variant":
         print(json.dumps(_one_variant(args.artifact, args.tokens)))
         return
-    print(json.dumps({"kernels": kernels, "fidelity": fidelity, "start": start, "prompts": prompts}[args.cmd](args),
+    print(json.dumps({"kernels": kernels, "fidelity": fidelity, "start": start, "profile": profile,
+                      "prompts": prompts}[args.cmd](args),
                      indent=1))
 
 

@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_engine.sh --work DIR --out DIR STAGE [KIND]  # then, on those models:
 #     check    the engine's GPU tests, fidelity against transformers (KLD, greedy agreement)
 #     kernels  the decode kernel table (tinygemm / dense, compiled or not, graph or eager), llama-bench
+#     profile  where a decode step's GPU time goes, kernel by kernel
 #     compare  gemmactl bench: the engine beside llama-server and HF generate, short and 512-token prompts
 #     start    cold and warm start to the first token, beside transformers from_pretrained
 # Options: see benchmarks/gpu_common.sh. Results: OUT/engine-KIND-*.json, OUT/bench-engine-KIND/.
@@ -34,7 +35,7 @@ if [ "$stage" = prepare ]; then
   exit 0
 fi
 
-case $stage in check|kernels|compare|start) ;; *) die "unknown stage $stage (prepare, check, kernels, compare or start)" ;; esac
+case $stage in check|kernels|profile|compare|start) ;; *) die "unknown stage $stage (prepare, check, kernels, profile, compare or start)" ;; esac
 ensure_diskcache
 gguf=$(gemmactl list --json | python -c "import json,sys;print([e['path'] for e in json.load(sys.stdin) if e['name']=='$kind-Q4_K_M'][0])")
 py=python
@@ -46,6 +47,9 @@ case $stage in
   kernels)  # the decode kernel table, and llama.cpp's own figures for the same shapes
     $py "$root/benchmarks/engine_gpu.py" kernels --artifact "$art" > "$out/engine-$kind-kernels.json"
     "$(build_binary llama-bench)" -m "$gguf" -p 512 -n 128 -ngl 99 -r 3 -o json > "$out/engine-$kind-llama-bench.json"
+    ;;
+  profile)  # the compiled step under torch.profiler, and the captured step's own rate
+    $py "$root/benchmarks/engine_gpu.py" profile --artifact "$art" > "$out/engine-$kind-profile.json"
     ;;
   compare)  # gemmactl bench: the engine beside llama-server (same GGUF shapes) and HF generate
     $py "$root/benchmarks/engine_gpu.py" prompts "$work/engine-prompts.txt" > /dev/null

@@ -214,3 +214,22 @@ def test_writer_refuses_calls_out_of_order(tmp_path):
         writer.finish({})
     writer.abort()
     assert not list(out.glob("*.partial"))
+
+
+def test_decoding_on_an_accelerator_goes_a_block_of_rows_at_a_time_with_the_same_values(tmp_path, monkeypatch):
+    """Off the CPU, decode copies and dequantizes blocks of rows (bounded temporaries); the values
+    are those of the whole-matrix decode. "cpu:0" takes the accelerator's path on this machine."""
+    import gemmactl.formats.int4.reader as reader
+
+    quantize_checkpoint(make_checkpoint(tmp_path / "ckpt", small_tensors()), tmp_path / "art", QuantizeOptions(group_size=32))
+    artifact = open_artifact(tmp_path / "art")
+    monkeypatch.setattr(reader, "DEVICE_BLOCK_VALUES", 7 * 40)  # 7 rows of the 300-row table per block
+    schemes = set()
+    for record in artifact.records:
+        if len(record.shape) != 2:
+            continue
+        schemes.add(record.scheme)
+        whole = artifact.decode(record, "cpu", torch.bfloat16)
+        blocks = artifact.decode(record, torch.device("cpu", 0), torch.bfloat16)
+        assert torch.equal(whole, blocks), record.name
+    assert {"int4", "int8"} <= schemes

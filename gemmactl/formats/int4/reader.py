@@ -25,6 +25,7 @@ from gemmactl.formats.int4.spec import (
 )
 from gemmactl.formats.int4.writer import crc32_of
 
+DEVICE_BLOCK_VALUES = 1 << 22  # values decoded at once on an accelerator (about 20 MB of temporaries)
 _PART_DTYPES = {"int4": {"qweight": "uint8", "scales": "float16", "zeros": "float16"}, "int8": {"qweight": "int8", "scales": "float16"}}
 
 
@@ -159,18 +160,25 @@ class Int4Artifact:
         return PackedTensor(record, parts)
 
     def decode(self, record: TensorRecord, device="cpu", dtype=None):
-        """The record as a dense tensor on device, dequantized there (dtype: default the record's)."""
+        """The record as a dense tensor on device, dequantized there (dtype: default the record's).
+
+        On an accelerator a block of rows at a time crosses and is decoded there, so a load's
+        temporaries stay near DEVICE_BLOCK_VALUES values whatever the matrix: the engine's plan
+        counts on that (a whole 262,144-row head decoded at once took 4× its own size).
+        """
         import torch
 
-        from gemmactl.formats.int4.quant import dequantize_int4, dequantize_int8_rows
-
         target = dtype or getattr(torch, record.dtype)
-        parts = self.packed(record, device).parts
-        if record.scheme == "int4":
-            return dequantize_int4(parts["qweight"], parts["scales"], parts["zeros"], record.shape[1], target)
-        if record.scheme == "int8":
-            return dequantize_int8_rows(parts["qweight"], parts["scales"], target)
-        return parts["data"] if parts["data"].dtype == target else parts["data"].to(target)
+        if str(device) == "cpu" or len(record.shape) != 2:
+            return _decode_parts(record, self.packed(record, device).parts, target)
+        parts = self.packed(record, "cpu").parts
+        rows, cols = record.shape
+        out = torch.empty((rows, cols), dtype=target, device=device)
+        step = max(1, min(rows, DEVICE_BLOCK_VALUES // max(cols, 1)))
+        for start in range(0, rows, step):
+            block = {name: part[start:start + step].to(device) for name, part in parts.items()}
+            out[start:start + step] = _decode_parts(record, block, target)
+        return out
 
     def load_tensor(self, name: str, device="cpu", dtype=None):
         """One original tensor, dense on device; an MoE stack comes back as [experts, rows, cols]."""
@@ -258,3 +266,14 @@ class Int4Artifact:
 def open_artifact(path: Path) -> Int4Artifact:
     """Open an int4-stream artifact directory (raises a clear error when it is not one)."""
     return Int4Artifact(path)
+
+
+def _decode_parts(record: TensorRecord, parts: dict, target):
+    """Dense values of a record's parts (all its rows, or a block of them) in dtype target."""
+    from gemmactl.formats.int4.quant import dequantize_int4, dequantize_int8_rows
+
+    if record.scheme == "int4":
+        return dequantize_int4(parts["qweight"], parts["scales"], parts["zeros"], record.shape[1], target)
+    if record.scheme == "int8":
+        return dequantize_int8_rows(parts["qweight"], parts["scales"], target)
+    return parts["data"] if parts["data"].dtype == target else parts["data"].to(target)

@@ -5,8 +5,9 @@ the "tinygemm" kernel that gpt-fast and torchao's int4 weight-only path use): a 
 that ships with torch, needs nothing compiled here, and fuses the dequantization into the
 product, so a decode step reads each weight once, packed. int8 rows (the head, and v_proj and
 down_proj under `--sensitive int8`) are dequantized once to bfloat16 and run in cuBLAS: torch's
-CUDA `_weight_int8pack_mm` is a one-thread-per-output loop over K, and with it the E2B-shaped
-decode step ran 59 tok/s on the H200 (docs/benchmarks.md); a fused int8 kernel is still to come.
+CUDA `_weight_int8pack_mm` is a one-thread-per-output loop over K: with it the E2B-shaped decode
+step ran 59 tok/s on the H200, with cuBLAS 338 (docs/benchmarks.md). Those bfloat16 products are a
+third of the step's GPU time; a fused int8 kernel (Triton) that reads half their bytes is still to come.
 The repacked layout is kept beside the artifact (`engine-cache/`), so a second load skips the
 repack. On the CPU every weight is dequantized once into a dense matrix in the compute dtype and
 multiplied by `F.linear`: its numbers are exactly the dense reference's. torch's CPU int4 kernel
@@ -120,23 +121,32 @@ def make_linear(artifact, record, device, dtype, cache=None) -> Linear:
 
 def _tinygemm_layout(artifact, record, device):
     """The record's int4 parts in tinygemm's layout, made on the device."""
-    parts = artifact.packed(record, device).parts
-    return tinygemm_layout(parts["qweight"], parts["scales"], parts["zeros"], record.shape[1])
+    parts = artifact.packed(record, "cpu").parts
+    return tinygemm_layout(parts["qweight"], parts["scales"], parts["zeros"], record.shape[1], device)
 
 
-def tinygemm_layout(qweight, scales, zeros, in_features: int):
+def tinygemm_layout(qweight, scales, zeros, in_features: int, device=None):
     """int4-stream parts (codes nibble-packed low first [out, in/2], fp16 scales and zeros [out, G])
-    → (packed codes, scales_and_zeros [G, out, 2] bf16) for `_weight_int4pack_mm`."""
+    → (packed codes, scales_and_zeros [G, out, 2] bf16) for `_weight_int4pack_mm`, on device
+    (default: the parts'). The codes cross and are reordered a block of rows at a time, so the
+    repack needs about twice the packed matrix on the device, not six times."""
     import torch
 
     from gemmactl.formats.int4.quant import unpack_nibbles
+    from gemmactl.formats.int4.reader import DEVICE_BLOCK_VALUES
 
-    codes = unpack_nibbles(qweight)[:, :in_features]  # [out, in] uint8 0..15
+    device = device or qweight.device
+    rows = qweight.shape[0]
     # The kernel takes the codes nibble-packed two to a byte, high nibble first.
-    pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()  # [out, in/2]
+    pairs = torch.empty((rows, in_features // 2), dtype=torch.uint8, device=device)  # [out, in/2]
+    step = max(1, min(rows, DEVICE_BLOCK_VALUES // max(in_features, 1)))
+    for start in range(0, rows, step):
+        codes = unpack_nibbles(qweight[start:start + step].to(device))[:, :in_features]  # [r, in] uint8 0..15
+        pairs[start:start + step] = codes[:, ::2] << 4 | codes[:, 1::2]
     packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INNER_K_TILES)
-    scale = scales.float()  # [out, G]
-    zero = zeros.float() + 8 * scale  # zero′: what code 8 decodes to
+    del pairs
+    scale = scales.to(device).float()  # [out, G]
+    zero = zeros.to(device).float() + 8 * scale  # zero′: what code 8 decodes to
     sz = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(torch.bfloat16)  # [G, out, 2]
     return packed, sz
 
