@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gemmactl.errors import InvalidOptionError
-from gemmactl.generate import RunSpec, check_backend, make_request, open_backend, resolve_run_model, route_prompt
+from gemmactl.generate import (RunSpec, check_backend, expert_settings_for, make_request, open_backend,
+                               resolve_run_model, route_prompt)
 from gemmactl.recipes import Recipe
 from gemmactl.runtime.base import Backend, GenerationStats, Piece, stream_generate
 from gemmactl.store import Store
@@ -85,7 +86,8 @@ class ChatSession:
         model = resolve_run_model(spec, self.store)
         key = (str(model.path), spec.tier.context)
         if key not in self._backends:
-            self._backends[key] = open_backend(model, context=spec.tier.context, store=self.store, vram=spec.tier.vram)
+            self._backends[key] = open_backend(model, context=spec.tier.context, store=self.store, vram=spec.tier.vram,
+                                               experts=expert_settings_for(spec.tier))
         return self._backends[key]
 
     def close(self) -> None:

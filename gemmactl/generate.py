@@ -123,6 +123,7 @@ def open_backend(
     extra_args: dict | None = None,
     vram: int | None = None,
     rpc: tuple[str, ...] = (),
+    experts=None,
 ) -> Backend:
     """Load the model on the backend its format needs.
 
@@ -132,9 +133,14 @@ def open_backend(
     int4-stream artifacts run in the engine, placed by the engine's map on a GPU ("auto") or as
     the caller says (an EnginePlacement). vram: the tier's GPU budget (default: free memory).
     rpc: RPC workers (HOST:PORT[=SIZE]) that take a share of a GGUF's layers (plan/rpc_split.py).
+    experts: an ExpertSettings for MoE models on the engine (expert_settings_for builds it).
     """
     kind = backend_for(model)
     options: dict = {"context_size": context, "n_threads": threads}
+    if experts is not None and not experts.is_default and kind != "int4":
+        raise InvalidOptionError("the expert cache belongs to the int4 engine, and this model runs on llama.cpp",
+                                 hint="Drop --expert-cache/--expert-policy (GGUF tiers keep experts on the CPU with "
+                                      "the plan's -ot), or give the tier an int4-stream artifact.")
     if kind == "llamacpp":
         from gemmactl.llamacpp.library import select_library
 
@@ -156,7 +162,20 @@ def open_backend(
 
             placement = engine_placement(model.path, context, vram=vram, store=store)
         options["placement"] = placement
+        if experts is not None:
+            options["experts"] = experts
     return backend_class(kind)(str(model.path), **options)
+
+
+def expert_settings_for(tier, cache: str | None = None, policy: str | None = None, prefetch: bool | None = None):
+    """The expert cache a run asks for: the options (--expert-cache SIZE|auto|off, --expert-policy,
+    --expert-prefetch) over the tier's expert_cache / expert_policy / expert_prefetch."""
+    from gemmactl.runtime.engine.expert_settings import ExpertSettings, check_policy, parse_expert_cache
+
+    cache_bytes = parse_expert_cache(cache) if cache is not None else tier.expert_cache
+    chosen = check_policy(policy if policy is not None else tier.expert_policy)
+    return ExpertSettings(cache_bytes=cache_bytes, policy=chosen,
+                          prefetch=tier.expert_prefetch if prefetch is None else prefetch)
 
 
 def _served(model: ResolvedModel, placement: GpuPlacement, *, context: int, threads: int | None, store: Store) -> Backend:

@@ -75,6 +75,9 @@ class Tier:
     backend_sampling: bool = False  # llama-server --backend-sampling when served: sample on the GPU, not the CPU
     vram: int | None = None  # bytes of GPU memory the tier's placement may use (None: the GPU's free memory)
     rpc: tuple[str, ...] = ()  # llama.cpp RPC workers, HOST:PORT[=SIZE], that take a share of the layers
+    expert_cache: int | None = None  # MoE on the int4 engine: device bytes for cached experts (None: auto, 0: off)
+    expert_policy: str | None = None  # lru, lfu or hot (None: the engine's default)
+    expert_prefetch: bool = False  # copy in the next MoE layer's likely experts ahead of it
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,8 @@ def _builtin_dir() -> Traversable:
 _TOP_KEYS = ("name", "description", "default_tier", "tiers")
 _TIER_KEYS = (
     "model", "backend", "context", "thinking", "sampling", "description", "make", "needs", "parallel", "speculative",
-    "flash_attn", "backend_sampling", "vram", "rpc",
+    "flash_attn", "backend_sampling", "vram", "rpc", "expert_cache", "expert_policy",
+    "expert_prefetch",
 )
 _SPECULATIVE_KEYS = ("type", "draft_model", "draft_max", "draft_min", "enabled")
 _SAMPLING_KEYS = tuple(f.name for f in fields(Sampling))
@@ -300,6 +304,24 @@ class _Reader:
             changes["vram"] = self.size(values["vram"])
         if "rpc" in values:
             changes["rpc"] = self.workers(values["rpc"])
+        if "expert_cache" in values:
+            entry = values["expert_cache"]
+            word = _scalar(entry.value)
+            if word is False:  # YAML reads an unquoted off as false
+                changes["expert_cache"] = 0
+            elif isinstance(word, str) and word.strip().lower() in ("auto", "off"):
+                changes["expert_cache"] = None if word.strip().lower() == "auto" else 0
+            else:
+                changes["expert_cache"] = self.size(entry)
+        if "expert_policy" in values:
+            from gemmactl.runtime.engine.expert_settings import POLICIES
+
+            entry = values["expert_policy"]
+            if _scalar(entry.value) not in POLICIES:
+                raise self.error(entry.value, f"{entry.path} must be one of {', '.join(POLICIES)}, got {_shown(entry.value)}")
+            changes["expert_policy"] = _scalar(entry.value)
+        if "expert_prefetch" in values:
+            changes["expert_prefetch"] = self.boolean(values["expert_prefetch"])
         return Tier(name=name, model=model, **changes)  # type: ignore[arg-type]
 
     def workers(self, entry: _Field) -> tuple[str, ...]:

@@ -16,15 +16,17 @@ from gemmactl.recipes import unknown_tier_error
 
 FAST = "fast"
 DEEP = "deep"
+REASON = "reason"
 
 PREFIXES: dict[str, tuple[str, bool | None]] = {
     "quick:": (FAST, None),
     "fast:": (FAST, None),
     "deep:": (DEEP, None),
-    "reason:": (DEEP, True),
-    "think:": (DEEP, True),
+    "reason:": (REASON, True),
+    "think:": (REASON, True),
 }
-"""Prefix → (tier, thinking). None leaves thinking to the tier; True turns it on."""
+"""Prefix → (tier, thinking). None leaves thinking to the tier; True turns it on. A recipe without
+a `reason` tier answers reason:/think: on its deep tier (with thinking on)."""
 
 CODE_FENCE = "```"
 """A Markdown code fence anywhere in the prompt sends it to the deep tier."""
@@ -127,6 +129,8 @@ def route(prompt: str, tiers: Sequence[str], *, default_tier: str, override: str
         return Route(override, text, thinking, f"--tier {override}{ignored}", prefix)
     if prefix:
         wanted = PREFIXES[prefix][0]
+        if wanted == REASON and REASON not in tiers:
+            wanted = DEEP
         why = f"prefix '{prefix}'"
     else:
         wanted, trigger = heuristic(text)

@@ -72,7 +72,7 @@ def engine_greedy(engine, prompt, steps, chunk=None, decoder=None, bounded=True)
     return tokens, first
 
 
-@pytest.mark.parametrize("kind", ["dense-ple", "shared-kv", "e2b-tiny", "gemma3-tiny"])
+@pytest.mark.parametrize("kind", ["dense-ple", "shared-kv", "e2b-tiny", "gemma3-tiny", "moe"])
 def test_engine_logits_and_greedy_tokens_equal_transformers(artifacts, kind):
     from gemmactl.runtime.engine.model import GemmaModel
     from gemmactl.runtime.int4_model import build_model
@@ -92,7 +92,7 @@ def test_engine_logits_and_greedy_tokens_equal_transformers(artifacts, kind):
         assert len(engine.caches) == 5  # the last five layers read their producers' caches
 
 
-@pytest.mark.parametrize("kind", ["e2b-tiny", "gemma3-tiny"])
+@pytest.mark.parametrize("kind", ["e2b-tiny", "gemma3-tiny", "moe"])
 def test_every_placement_decodes_the_same_tokens(artifacts, kind):
     """All resident, half streamed, all on the host, mixed with tables in host memory: the same
     greedy tokens and logits (the CPU stands in for the device: the same copies, views and order)."""
@@ -150,14 +150,6 @@ def test_the_int4_backend_is_the_engine_and_samples_as_asked(artifacts, monkeypa
     spread = {int(pick(logits, None, wide, torch.Generator().manual_seed(seed))) for seed in range(64)}
     assert len(spread) > 1  # a hot temperature really samples
     assert backend.__name__ == "open_int4_backend" and EngineBackend.name == "int4"
-
-
-def test_moe_artifacts_stay_on_the_transformers_path(artifacts):
-    from gemmactl.errors import UnsupportedModelError
-    from gemmactl.runtime.engine.model import GemmaModel
-
-    with pytest.raises(UnsupportedModelError, match="MoE"):
-        GemmaModel(artifacts("moe"), device="cpu", dtype=torch.float32, context=32)
 
 
 @pytest.mark.real_model

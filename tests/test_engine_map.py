@@ -136,3 +136,59 @@ def test_plan_backend_int4_on_a_checkpoint_says_to_quantize_first(tiny_gemma4, r
     data = json.loads(result.output)
     assert "engine" not in data
     assert any("--int4-stream" in note for note in data["notes"])
+
+
+@pytest.fixture(scope="module")
+def moe_artifact(tmp_path_factory):
+    from helpers.random_gemma import build_random_gemma
+
+    folder = tmp_path_factory.mktemp("engine-map-moe")
+    source = build_random_gemma("moe", folder / "checkpoint")
+    quantize_checkpoint(source, folder / "artifact", QuantizeOptions(group_size=32, shard_size=1 << 30))
+    return folder / "artifact"
+
+
+def test_moe_experts_get_the_room_the_layers_leave(moe_artifact, runner):
+    """Experts are not layer weights: they stay in host memory, and the cache takes whole experts
+    of the room left after the layers, inside the budget; fewer with less room, none at the
+    minimum, where the predicted rate is lower and misses cross the link."""
+    from gemmactl.formats.int4.reader import read_index
+
+    everything = plan_engine(moe_artifact, PROFILE, 64 << 30, CONTEXT)
+    index = read_index(moe_artifact)
+    experts = {(r["layer"], r["expert"]) for r in index["tensors"] if r.get("expert") is not None}
+    assert everything.experts == len(experts) == 96 and set(everything.layers) == {"resident"}
+    assert everything.expert_cache_bytes == 96 * everything.expert_bytes  # room for all
+    assert everything.host_bytes >= sum(r["nbytes"] for r in index["tensors"] if r.get("expert") is not None)
+    tight = everything.gpu_total - 10 * everything.expert_bytes - 1  # ten experts less than everything
+    some = plan_engine(moe_artifact, PROFILE, tight, CONTEXT)
+    assert set(some.layers) == {"resident"} and some.gpu_total <= tight
+    assert some.expert_cache_bytes == (96 - 11) * everything.expert_bytes
+    least = plan_engine(moe_artifact, PROFILE, everything.minimum_vram_bytes, CONTEXT)
+    assert least.expert_cache_bytes == 0 and least.gpu_total <= everything.minimum_vram_bytes
+    assert least.decode_tok_s < some.decode_tok_s < everything.decode_tok_s
+    assert least.link_bytes_per_token > some.link_bytes_per_token
+    result = invoke(runner, ["plan", str(moe_artifact), "--backend", "int4", "--hardware", "desktop-4g", "--vram",
+                             f"{tight}B", "--context", str(CONTEXT)])
+    assert result.exit_code == 0, result.output
+    assert f"experts: {96 - 11} of 96 cached on the GPU" in result.output
+
+
+def test_moe_under_the_plans_placement_decodes_the_same_tokens(moe_artifact):
+    """The plan's map at its minimum (every layer streamed, no expert cached) and with some experts
+    cached: the engine's greedy tokens are those of every layer and expert resident."""
+    from gemmactl.formats.int4.reader import open_artifact
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.engine.placement import EnginePlacement
+    from test_engine import PROMPT, engine_greedy
+
+    art = open_artifact(moe_artifact)
+    expected = engine_greedy(GemmaModel(art, device="cpu", dtype=torch.float32, context=CONTEXT), PROMPT, 16)[0]
+    everything = plan_engine(moe_artifact, PROFILE, 64 << 30, CONTEXT)
+    for budget in (everything.minimum_vram_bytes, everything.gpu_total - 40 * everything.expert_bytes):
+        chosen = plan_engine(moe_artifact, PROFILE, budget, CONTEXT)
+        placement = EnginePlacement(chosen.layers, chosen.tables_on_host, chosen.reason, chosen.expert_cache_bytes)
+        engine = GemmaModel(art, device="cpu", dtype=torch.float32, context=CONTEXT, placement=placement)
+        assert engine_greedy(engine, PROMPT, 16, chunk=5)[0] == expected
+        cached = engine.experts.cache.capacity  # the plan's room, in this device's expert size
+        assert (cached > 0) == (chosen.expert_cache_bytes > 0)

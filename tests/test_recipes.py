@@ -59,7 +59,7 @@ def test_default_recipe_uses_embedded_model_everywhere():
 def test_gemma4_4gb_recipe():
     recipe = resolve_recipe("gemma4-4gb")
     assert recipe.default_tier == "fast"
-    assert list(recipe.tiers) == ["fast", "deep"]
+    assert list(recipe.tiers) == ["fast", "deep", "reason"]
 
     fast = recipe.tier("fast")
     assert fast.model == "gemma-4-E2B-it-Q4_K_M"
@@ -82,6 +82,11 @@ def test_gemma4_4gb_recipe():
     ]
     assert deep.needs.startswith("an int4-stream artifact of Gemma 4 E4B")
     assert deep.vram == 4 * 2**30 and fast.vram is None
+
+    reason = recipe.tier("reason")  # reason:/think: prompts (router.REASON)
+    assert (reason.model, reason.backend, reason.thinking, reason.vram) == ("gemma-4-26B-A4B-it-int4", "int4", True, 4 << 30)
+    assert (reason.expert_cache, reason.expert_policy) == (None, "lru")  # auto: the plan's room
+    assert reason.make[-1] == "gemmactl quantize google/gemma-4-26B-A4B-it --int4-stream"
 
 
 def test_every_recipe_backend_has_a_runtime():
@@ -445,3 +450,16 @@ def test_rpc_workers_are_a_list_or_one_string():
     listed = parse_recipe(MINIMAL + "    rpc: [10.0.0.2:50052, '10.0.0.3:50052=8G']\n").tiers["fast"].rpc
     assert listed == ("10.0.0.2:50052", "10.0.0.3:50052=8G")
     assert parse_recipe(MINIMAL + "    rpc: 10.0.0.2:50052,10.0.0.3:50052\n").tiers["fast"].rpc == listed[:1] + ("10.0.0.3:50052",)
+
+
+def test_expert_cache_fields():
+    recipe = parse_recipe("tiers:\n  deep:\n    model: a\n    expert_cache: 2G\n    expert_policy: hot\n"
+                          "    expert_prefetch: true\n"
+                          "  fast:\n    model: a\n    expert_cache: off\n  other:\n    model: a\n    expert_cache: auto\n")
+    assert (recipe.tiers["deep"].expert_cache, recipe.tiers["deep"].expert_policy) == (2 << 30, "hot")
+    assert recipe.tiers["deep"].expert_prefetch and not recipe.tiers["fast"].expert_prefetch
+    assert recipe.tiers["fast"].expert_cache == 0 and recipe.tiers["other"].expert_cache is None
+    with pytest.raises(RecipeError, match=r"tiers\.deep\.expert_policy must be one of lru, lfu, hot"):
+        parse_recipe("tiers:\n  deep:\n    model: a\n    expert_policy: fifo\n")
+    with pytest.raises(RecipeError, match=r"tiers\.deep\.expert_cache"):
+        parse_recipe("tiers:\n  deep:\n    model: a\n    expert_cache: lots\n")

@@ -184,3 +184,12 @@ def test_short_prompt_falls_back_when_no_fast_tier():
 def test_custom_tier_needs_override():
     result = route("hi", ["fast", "deep", "huge"], default_tier="fast", override="huge")
     assert result.tier == "huge"
+
+
+def test_reason_prefixes_take_a_reason_tier_when_the_recipe_has_one():
+    tiers = ("fast", "deep", "reason")
+    for prompt in ("reason: why", "think: why"):
+        result = route(prompt, tiers, default_tier="fast")
+        assert (result.tier, result.thinking) == ("reason", True)
+    assert route("deep: why", tiers, default_tier="fast").tier == "deep"
+    assert route("prove it", tiers, default_tier="fast").tier == "deep"  # the heuristic stays on deep

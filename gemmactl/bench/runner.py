@@ -243,9 +243,10 @@ def _speculative(config: BenchConfig, tier, store: Store) -> tuple[tuple[str, ..
 
 def _load_fitting(model, tier, request, prompts, config: BenchConfig, store: Store):
     """gemmactl's backend with a context that holds the longest prompt plus --max-tokens (and why, if raised)."""
-    from gemmactl.generate import open_backend
+    from gemmactl.generate import expert_settings_for, open_backend
 
-    backend = open_backend(model, context=config.context or tier.context, store=store, vram=tier.vram, rpc=tier.rpc)
+    backend = open_backend(model, context=config.context or tier.context, store=store, vram=tier.vram, rpc=tier.rpc,
+                           experts=expert_settings_for(tier))
     try:
         longest = max(len(backend.prepare(replace(request, prompt=p.text)).tokens) for p in _all_prompts(prompts, config))
     except BaseException:
@@ -263,7 +264,8 @@ def _load_fitting(model, tier, request, prompts, config: BenchConfig, store: Sto
         )
     note = f"raised from the tier's {backend.context_size} to fit {longest} prompt + {config.max_tokens} tokens"
     # llama_cpp is imported by now with the library chosen for the first load: select_library reuses it.
-    return open_backend(model, context=_round_up(needed), store=store, vram=tier.vram, rpc=tier.rpc), note
+    return open_backend(model, context=_round_up(needed), store=store, vram=tier.vram, rpc=tier.rpc,
+                        experts=expert_settings_for(tier)), note
 
 
 def _extra_buffers() -> bool:

@@ -151,7 +151,7 @@ def _render_engine(data: dict, engine: dict) -> list[str]:
     counts, gpu = engine["counts"], engine["gpu_bytes"]
     parts = ", ".join(f"{name} {format_size(gpu[key])}" for key, name in (
         ("reserve", "reserve"), ("globals", "head"), ("tables", "tables"), ("kv", "KV"), ("work", "work"),
-        ("layers", "layers"), ("staging", "staging")) if gpu.get(key))
+        ("layers", "layers"), ("staging", "staging"), ("experts", "expert cache")) if gpu.get(key))
     lines = [
         "",
         f"engine: {counts['resident']} layers on the GPU, {counts['streamed']} streamed, {counts['host']} on the CPU; "
@@ -161,6 +161,10 @@ def _render_engine(data: dict, engine: dict) -> list[str]:
         f"host memory: {format_size(engine['host_bytes'])}; over the link per token: {format_size(engine['link_bytes_per_token'])}",
         f"predicted: decode {engine['decode_tok_s']:.1f} tok/s",
     ]
+    if engine.get("experts"):
+        e = engine["experts"]
+        lines.insert(-1, f"experts: {e['cached']} of {e['count']} cached on the GPU ({format_size(e['cache_bytes'])}, "
+                         f"{format_size(e['expert_bytes'])} each); the rest in host memory (docs/experts.md)")
     return lines + [f"note: {note}" for note in data["notes"]]
 
 

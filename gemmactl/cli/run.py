@@ -25,8 +25,12 @@ from gemmactl.sizes import format_size
 @click.option("--raw", is_flag=True, help="Send the prompt as is: no chat template, no question frame.")
 @click.option("--stats", is_flag=True, help="Print the routing decision and speed figures to stderr.")
 @click.option("--rpc", "rpc", multiple=True, metavar="HOST:PORT[=SIZE]", help="RPC workers (`gemmactl worker`) that take a share of a GGUF's layers; repeatable or comma-separated (default: the tier's rpc).")
+@click.option("--expert-cache", "expert_cache", metavar="SIZE|auto|off", help="MoE models on the int4 engine: GPU memory for cached experts (default: the tier's, else auto: the room the plan leaves).")
+@click.option("--expert-policy", "expert_policy", metavar="lru|lfu|hot", help="Which cached expert makes room for a new one (default: the tier's, else lru).")
+@click.option("--expert-prefetch/--no-expert-prefetch", "expert_prefetch", default=None, help="Copy in the next MoE layer's likely experts ahead of it (default: the tier's, else off).")
 @click.option("--json", "json_mode", is_flag=True, help="Print one JSON object: answer, thinking, route and stats.")
-def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show_thinking, raw, stats, rpc, json_mode):
+def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show_thinking, raw, stats, rpc, expert_cache,
+        expert_policy, expert_prefetch, json_mode):
     """Answer a prompt with a local model, routed to a tier.
 
     The answer streams to stdout as it is generated. The PROMPT comes from the arguments, or
@@ -39,7 +43,7 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
       gemmactl run "quick: What is the capital of France?"
       echo "deep: prove that sqrt(2) is irrational" | gemmactl run --stats
     """
-    from gemmactl.generate import open_backend, plan_run, resolve_run_model, stream_generate
+    from gemmactl.generate import expert_settings_for, open_backend, plan_run, resolve_run_model, stream_generate
     from gemmactl.recipes import resolve_recipe
     from gemmactl.runtime.base import GenerationStats
     from gemmactl.store import Store
@@ -60,8 +64,9 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
     store = Store()
     with byte_progress("assembling the embedded model", progress_enabled(json_mode)) as progress:
         resolved = resolve_run_model(spec, store, progress=progress)
+    experts = expert_settings_for(spec.tier, expert_cache, expert_policy, expert_prefetch)
     backend = open_backend(resolved, context=spec.tier.context, store=store, vram=spec.tier.vram,
-                           rpc=workers or spec.tier.rpc)
+                           rpc=workers or spec.tier.rpc, experts=experts)
     if not json_mode:
         for notice in backend.notices:
             warn(notice)
@@ -161,6 +166,12 @@ def _engine_text(d: dict) -> str:
         text += f", {format_size(d['weights_host_bytes'])} in host memory"
     if d.get("link_bytes_per_token"):
         text += f"; {format_size(d['link_bytes_per_token'])} over the link per token"
+    if d.get("experts"):
+        e = d["experts"]
+        rate = "-" if e["hit_rate"] is None else f"{e['hit_rate']:.0%}"
+        text += (f"\nexperts: {e['policy']} cache of {e['capacity_experts']} ({format_size(e['cache_bytes'])}), "
+                 f"hit rate {rate}, {format_size(e['link_bytes_per_token'])} copied per token, "
+                 f"{e['host_share']:.0%} computed on the CPU")
     return text
 
 

@@ -167,7 +167,8 @@ def engine_placement(artifact: Path, context: int, *, vram: int | None = None, m
     profile = cached_profile(store.home / "plan", machine) or load_profile(DEFAULT_PROFILE)
     profile = replace(profile, vram_bytes=gpu.memory_bytes, ram_bytes=machine.ram_bytes or profile.ram_bytes)
     chosen = plan_engine(Path(artifact), profile, budget, context)
-    return EnginePlacement(chosen.layers, chosen.tables_on_host, chosen.reason)
+    return EnginePlacement(chosen.layers, chosen.tables_on_host, chosen.reason, chosen.expert_cache_bytes,
+                           link_bytes_s=profile.host_to_device, host_bytes_s=profile.cpu_bandwidth)
 
 
 def rpc_placement(model_path: Path, context: int, endpoints, *, parallel: int = 1, vram: int | None = None,

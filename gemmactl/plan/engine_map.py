@@ -15,6 +15,10 @@ too, and each leftover layer goes where its token costs less:
 
 Embedding tables go to host memory first when the whole does not fit: only the current tokens'
 rows cross the link. The predicted decode rate is the sum of those costs and the head's read.
+
+MoE experts are not part of a layer's cost: they live in host memory (runtime/engine/experts.py),
+and whatever room the layers leave becomes the expert cache (whole experts, none past the count).
+The working area above already covers a missed expert's transient copy.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class EngineMap:
     decode_tok_s: float = 0.0
     minimum_vram_bytes: int = 0
     reason: str = ""
+    expert_cache_bytes: int | None = None  # MoE models: device room for cached experts
+    expert_bytes: int = 0  # one expert in the device layout
+    experts: int = 0  # experts in the model (every MoE layer)
 
     @property
     def gpu_total(self) -> int:
@@ -59,7 +66,10 @@ class EngineMap:
         return {"layers": list(self.layers), "counts": counts, "tables": "host" if self.tables_on_host else "gpu",
                 "gpu_bytes": {**self.gpu_bytes, "total": self.gpu_total}, "host_bytes": self.host_bytes,
                 "link_bytes_per_token": self.link_bytes_per_token, "decode_tok_s": round(self.decode_tok_s, 2),
-                "minimum_vram_bytes": self.minimum_vram_bytes, "reason": self.reason}
+                "minimum_vram_bytes": self.minimum_vram_bytes, "reason": self.reason,
+                **({"experts": {"count": self.experts, "expert_bytes": self.expert_bytes,
+                                "cache_bytes": self.expert_cache_bytes,
+                                "cached": self.expert_cache_bytes // self.expert_bytes}} if self.experts else {})}
 
 
 def _costs(index: dict, spec, context: int) -> tuple[list[LayerCost], dict[str, int], dict[str, int]]:
@@ -69,6 +79,7 @@ def _costs(index: dict, spec, context: int) -> tuple[list[LayerCost], dict[str, 
     layers = {layer.index: [0, 0] for layer in spec.layers}
     globals_ = {"head": 0, "projection": 0, "norms": 0}
     tables = {"token": 0, "per_layer": 0}
+    experts: dict = {}  # (layer, expert) → device bytes
     names = set()
     for record in index.get("tensors", []):
         name, shape, scheme = record["name"], tuple(record["shape"]), record["scheme"]
@@ -81,6 +92,11 @@ def _costs(index: dict, spec, context: int) -> tuple[list[LayerCost], dict[str, 
                 globals_["head"] += linear_bytes("int8" if scheme == "int8" else scheme, shape, None, cuda=True)
         elif name.endswith("lm_head.weight"):
             globals_["head"] += linear_bytes(scheme, shape, record.get("group_size"), cuda=True)
+        elif record.get("expert") is not None:
+            key = (int(record["layer"]), int(record["expert"]))
+            device, stored, dense = experts.get(key, (0, 0, 0))
+            experts[key] = (device + linear_bytes(scheme, shape, record.get("group_size"), cuda=True),
+                            stored + int(record["nbytes"]), dense + 2 * _count(shape))
         elif len(shape) == 2 and record.get("layer") is not None:
             cost = layers[int(record["layer"])]
             cost[0] += linear_bytes(scheme, shape, record.get("group_size"), cuda=True)
@@ -98,6 +114,7 @@ def _costs(index: dict, spec, context: int) -> tuple[list[LayerCost], dict[str, 
             kv = (spec.window if ring else context) * layer.kv_heads * layer.head_dim * 2 * 2 + (spec.window if ring else context) * 8
         device_bytes, dense_bytes = layers[layer.index]
         costs.append(LayerCost(layer.index, device_bytes, dense_bytes, kv, layer.index in readers))
+    tables["experts"] = experts
     return costs, globals_, tables
 
 
@@ -122,6 +139,7 @@ def plan_engine(artifact: Path, profile, vram_bytes: int, context: int) -> Engin
     shapes = {r["name"]: tuple(r.get("stack_shape") or r["shape"]) for r in index.get("tensors", [])}
     spec = model_spec(index.get("config") or {}, shapes)
     costs, globals_, tables = _costs(index, spec, context)
+    experts = tables.pop("experts")
     gpu_bw, link, cpu_bw = profile.gpu_bandwidth, profile.host_to_device, profile.cpu_bandwidth
     fixed = {"reserve": profile.gpu_reserve_bytes, "globals": sum(globals_.values()), "work": _work_bytes(spec) + MARGIN_BYTES}
     kv_all = sum(c.kv_bytes for c in costs)
@@ -147,10 +165,11 @@ def plan_engine(artifact: Path, profile, vram_bytes: int, context: int) -> Engin
             gpu = {**fixed, "kv": kv_all, "tables": 0 if tables_on_host else table_bytes, "layers": layers_total, "staging": 0}
             rate = 1.0 / (sum(resident_time(c) for c in costs) + head_time)
             where = "in host memory" if tables_on_host else "on the GPU"
-            return EngineMap(("resident",) * len(costs), tables_on_host, gpu, table_bytes if tables_on_host else 0,
-                             _row_bytes(index) if tables_on_host else 0, rate, minimum,
-                             f"engine plan: every layer on the GPU, tables {where} "
-                             f"({format_size(need)} of {format_size(vram_bytes)})")
+            return _with_experts(EngineMap(("resident",) * len(costs), tables_on_host, gpu,
+                                           table_bytes if tables_on_host else 0, _row_bytes(index) if tables_on_host else 0,
+                                           rate, minimum, f"engine plan: every layer on the GPU, tables {where} "
+                                           f"({format_size(need)} of {format_size(vram_bytes)})"),
+                                 experts, vram_bytes, profile, index)
     if minimum > vram_bytes:
         raise BudgetTooSmallError(
             f"the engine needs at least {format_size(minimum)} of GPU memory for this model at context {context} "
@@ -183,7 +202,40 @@ def plan_engine(artifact: Path, profile, vram_bytes: int, context: int) -> Engin
     counts = {kind: layers.count(kind) for kind in ("resident", "streamed", "host")}
     reason = (f"engine plan: {counts['resident']} layers on the GPU, {counts['streamed']} streamed, {counts['host']} on the CPU, "
               f"tables in host memory ({format_size(sum(gpu.values()))} of {format_size(vram_bytes)})")
-    return EngineMap(layers, True, gpu, host, link_bytes, 1.0 / seconds, minimum, reason)
+    return _with_experts(EngineMap(layers, True, gpu, host, link_bytes, 1.0 / seconds, minimum, reason), experts,
+                         vram_bytes, profile, index)
+
+
+def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, index: dict) -> EngineMap:
+    """The room the layers left, as whole cached experts, and what the experts add to a token's
+    time (MoE models; the map unchanged otherwise). Every expert stays in host memory as stored.
+
+    The prediction assumes routing spread evenly, so the hit rate is the cached share of the
+    experts (real routing is skewed: a measured hit rate is higher). A token reads top_k experts
+    in each MoE layer: from the cache at GPU bandwidth, or on a miss copied over the link or
+    computed on the CPU, whichever is cheaper (runtime/engine/experts.MissRule).
+    """
+    from gemmactl.runtime.engine.spec import hf_text_config
+
+    if not experts:
+        return chosen
+    one = max(device for device, _, _ in experts.values())
+    stored = max(s for _, s, _ in experts.values())
+    dense = max(d for _, _, d in experts.values())
+    room = max(0, vram_bytes - chosen.gpu_total)
+    slots = min(len(experts), room // one)
+    chosen.gpu_bytes["experts"] = slots * one
+    chosen.host_bytes += sum(s for _, s, _ in experts.values())
+    chosen.expert_cache_bytes, chosen.expert_bytes, chosen.experts = slots * one, one, len(experts)
+    reads = int(hf_text_config(index.get("config") or {}).top_k_experts) * len({layer for layer, _ in experts})
+    hit = slots / len(experts)
+    copy_s, host_s = stored / profile.host_to_device, 2 * dense / profile.cpu_bandwidth
+    per_token = reads * (hit * one / profile.gpu_bandwidth + (1 - hit) * min(copy_s, host_s))
+    chosen.decode_tok_s = 1.0 / (1.0 / chosen.decode_tok_s + per_token)
+    if copy_s <= host_s:
+        chosen.link_bytes_per_token += round(reads * (1 - hit) * stored)
+    chosen.reason += f"; {slots} of {len(experts)} experts cached on the GPU"
+    return chosen
 
 
 def _row_bytes(index: dict) -> int:

@@ -65,12 +65,13 @@ class BackendPlan:
     backend_sampling: bool = False  # llama-server --backend-sampling (the tiers' recipe backend_sampling)
     vram: int | None = None  # the tiers' GPU budget (recipe vram)
     rpc: tuple[str, ...] = ()  # the tiers' RPC workers (recipe rpc), for llama.cpp tiers
+    experts: object | None = None  # the tiers' expert cache (recipe expert_*), for int4 tiers
 
 
 def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_build: bool
                   ) -> tuple[list[BackendPlan], dict[str, str], list[str]]:
     """(backend plans, tier → why it cannot run, warnings); loads nothing."""
-    from gemmactl.generate import backend_for, speculative_args
+    from gemmactl.generate import backend_for, expert_settings_for, speculative_args
     from gemmactl.llamacpp.build import active_build
     from gemmactl.store.refs import RUNNABLE, resolve_model
 
@@ -108,7 +109,8 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
             for field, value in (("flash_attn", tier.flash_attn != "off"), ("backend_sampling", tier.backend_sampling)):
                 if value:
                     warnings.append(f"tier {name}: {field} needs llama-server; it is off for this tier")
-            key = (kind, str(path), tier.context, tier.vram, tier.rpc)
+            key = (kind, str(path), tier.context, tier.vram, tier.rpc, tier.expert_cache, tier.expert_policy,
+                   tier.expert_prefetch)
             spec_args, spec_note = (), "off"
         if key in plans:
             plans[key].tiers.append(name)
@@ -117,7 +119,7 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
             served = kind == "llama-server"
             plans[key] = BackendPlan(key, kind, model, [name], tier.context, parallel, spec_args, spec_note, slots_note,
                                      tier.flash_attn if served else "off", tier.backend_sampling and served,
-                                     tier.vram, tier.rpc)
+                                     tier.vram, tier.rpc, expert_settings_for(tier) if kind == "int4" else None)
     _one_head_per_worker(plans.values())
     return list(plans.values()), unavailable, warnings
 
@@ -273,7 +275,7 @@ class Service:
                      backend.info.speculative, time.perf_counter() - started)
             return backend
         loaded = open_backend(plan.model, context=plan.context, store=self.store, threads=threads, vram=plan.vram,
-                              rpc=plan.rpc)
+                              rpc=plan.rpc, experts=plan.experts)
         for notice in loaded.notices:
             log.warning(notice)
         log.info("tiers %s: %s in process, one request at a time (%.1f s)", ",".join(plan.tiers), plan.kind,

@@ -53,7 +53,7 @@ class EngineBackend(HfTokenizerText):
     name = "int4"
 
     def __init__(self, model_path: str, *, context_size: int = 4096, n_threads: int | None = None,
-                 device: str = "auto", dtype=None, placement=None):
+                 device: str = "auto", dtype=None, placement=None, experts=None):
         import torch
         from transformers import AutoTokenizer
 
@@ -76,7 +76,7 @@ class EngineBackend(HfTokenizerText):
             placement = placement if self.device.startswith("cuda") else None
             with torch.inference_mode():
                 self.model = GemmaModel(artifact, device=self.device, dtype=self.dtype, context=self.context_size,
-                                        placement=placement)
+                                        placement=placement, experts=experts)
             self.decoder = DecodeStep(self.model, cache_dir=Path(artifact.path) / "engine-cache" / "inductor")
         except (OSError, ValueError, KeyError) as exc:
             raise BackendError(f"could not load {model_path}: {exc}", hint=DEBUG_HINT) from exc
@@ -95,7 +95,8 @@ class EngineBackend(HfTokenizerText):
         kernels = sorted({lin.kernel for layer in self.model.layers for lin in layer.linears().values()})
         return {"device": self.device, "dtype": str(self.dtype).removeprefix("torch."), "kernels": kernels,
                 "placement": self.model.placement.summary(), "cuda_graph": self.decoder.graph is not None,
-                "compiled": self.decoder.compiled, "setup_s": round(self.decoder.setup_s, 3), **self.model.memory()}
+                "compiled": self.decoder.compiled, "setup_s": round(self.decoder.setup_s, 3), **self.model.memory(),
+                **({"experts": self.model.experts.stats()} if self.model.experts is not None else {})}
 
     # -- Backend protocol (model_text and tokenize: HfTokenizerText) -------------------------------
 
@@ -165,14 +166,12 @@ ENGINE_ENV = "GEMMACTL_INT4_ENGINE"  # auto | off (the transformers path, kept a
 
 
 def open_int4_backend(model_path: str, **options):
-    """The `int4` backend for an artifact: the engine, or transformers for what the engine does not
-    run yet (MoE experts) and when GEMMACTL_INT4_ENGINE=off asks for it."""
-    from gemmactl.formats.int4.reader import read_index
-
-    config = read_index(Path(model_path)).get("config") or {}
-    if os.environ.get(ENGINE_ENV, "auto").lower() in ("off", "0", "false") or config.get("enable_moe_block"):
+    """The `int4` backend for an artifact: the engine, or transformers when GEMMACTL_INT4_ENGINE=off
+    asks for it (the reference path)."""
+    if os.environ.get(ENGINE_ENV, "auto").lower() in ("off", "0", "false"):
         from gemmactl.runtime.int4_backend import Int4Backend
 
         options.pop("placement", None)  # it places nothing: one device for the whole model
+        options.pop("experts", None)
         return Int4Backend(model_path, **options)
     return EngineBackend(model_path, **options)

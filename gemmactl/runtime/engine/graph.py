@@ -21,9 +21,10 @@ GRAPH_ENV = "GEMMACTL_ENGINE_GRAPH"  # auto (on for CUDA) | off
 
 def wanted(env: str, model) -> bool:
     """Whether to compile / capture: on CUDA by default, and never for a model that streams layers
-    or runs some on the host (copies between streams and host compute stay eager)."""
+    or runs some on the host (copies between streams and host compute stay eager), nor for MoE
+    experts (which experts a step runs, and whether they are cached, is decided on the host)."""
     setting = os.environ.get(env, "auto").lower()
-    if setting in ("off", "0", "false") or not model.placement.resident_only:
+    if setting in ("off", "0", "false") or not model.placement.resident_only or model.experts is not None:
         return False
     return model.device.type == "cuda" if setting == "auto" else True
 

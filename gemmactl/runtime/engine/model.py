@@ -15,25 +15,16 @@ is one callable, so an MoE block can take its place.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from gemmactl.runtime.engine.kernels import Linear, RepackCache, make_linear
+from gemmactl.runtime.engine.ops import rms_norm
 from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
 from gemmactl.runtime.engine.streaming import LayerStreamer, StagedLayer
 from gemmactl.runtime.engine.spec import SLIDING, LayerSpec, ModelSpec, model_spec, rope_tables
-
-
-def rms_norm(x: torch.Tensor, scale: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm as transformers' Gemma norms compute it: in float32, then cast back. scale: already
-    (1 + w) for Gemma 3, w for Gemma 4, None for a norm without one."""
-    y = x.float()
-    y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    if scale is not None:
-        y = y * scale
-    return y.to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -82,8 +73,9 @@ class Layer:
     """One decoder layer's weights and the order Gemma applies them in."""
 
     def __init__(self, spec: LayerSpec, attn: Attention, norms: dict, mlp: dict, per_layer: dict | None,
-                 layer_scalar: torch.Tensor | None):
+                 layer_scalar: torch.Tensor | None, moe=None):
         self.spec = spec
+        self.moe = moe  # a MoEBlock (Gemma 4 MoE layers: experts beside the dense MLP), or None
         self.attn = attn
         self.norms = norms  # input, post_attention, pre_feedforward, post_feedforward (+ post_per_layer_input)
         self.mlp = mlp  # gate, up, down: Linear
@@ -110,7 +102,7 @@ class Layer:
         attn = Attention(get("q"), get("k"), get("v"), get("o"), self.attn.q_norm, self.attn.k_norm, self.attn.v_norm)
         mlp = {key: get(key) for key in self.mlp}
         per_layer = {key: get(f"per_layer_{key}") for key in self.per_layer} if self.per_layer is not None else None
-        return Layer(self.spec, attn, self.norms, mlp, per_layer, self.layer_scalar)
+        return Layer(self.spec, attn, self.norms, mlp, per_layer, self.layer_scalar, self.moe)
 
 
 class GemmaModel:
@@ -118,7 +110,8 @@ class GemmaModel:
     ready to step."""
 
     def __init__(self, artifact, *, device: str, dtype: torch.dtype, context: int,
-                 placement: EnginePlacement | None = None):
+                 placement: EnginePlacement | None = None, experts=None):
+        """experts: an ExpertSettings for MoE models (default: every expert cached, LRU)."""
         self.artifact = artifact
         self.device, self.dtype, self.context = torch.device(device), dtype, context
         self.host = torch.device("cpu")
@@ -127,11 +120,6 @@ class GemmaModel:
         self.placement = placement or EnginePlacement.all_resident(self.spec.n_layers)
         if len(self.placement.layers) != self.spec.n_layers:
             raise ValueError(f"the placement has {len(self.placement.layers)} layers, the model {self.spec.n_layers}")
-        if self.spec.moe:
-            from gemmactl.errors import UnsupportedModelError
-
-            raise UnsupportedModelError("the engine does not run MoE experts yet",
-                                        hint="MoE artifacts run on the transformers path (GEMMACTL_INT4_ENGINE=off).")
         self.prefix = "model." if any(n.startswith("model.") for n in shapes) else ""
         self.repack = RepackCache(artifact) if self.device.type == "cuda" else None
         spec = self.spec
@@ -146,6 +134,7 @@ class GemmaModel:
             self.ple_projection = self._linear("per_layer_model_projection.weight")
             self.ple_norm = self._norm("per_layer_projection_norm.weight")
         self.where = self.placement.layers
+        self.experts = self._experts(experts) if spec.moe else None
         self.layers, staged = [], []
         for layer_spec in spec.layers:
             where = self.where[layer_spec.index]
@@ -228,7 +217,31 @@ class GemmaModel:
             per_layer = {"gate": linear("per_layer_input_gate.weight"), "projection": linear("per_layer_projection.weight")}
             norms["post_per_layer_input"] = norm("post_per_layer_input_norm.weight")
         scalar = self.artifact.load_tensor(self._name(p + "layer_scalar"), device, self.dtype) if has("layer_scalar") else None
-        return Layer(spec, attn, norms, mlp, per_layer, scalar)
+        moe = None
+        if self.experts is not None and has("router.proj.weight"):
+            for key in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"):
+                norms[key] = norm(f"{key}.weight")
+            router = {"proj": linear("router.proj.weight"),
+                      "scale": self.artifact.load_tensor(self._name(p + "router.scale"), device, self.dtype),
+                      "per_expert_scale": self.artifact.load_tensor(self._name(p + "router.per_expert_scale"), device,
+                                                                    self.dtype)}
+            moe = self.experts.block(spec.index, router)
+        return Layer(spec, attn, norms, mlp, per_layer, scalar, moe)
+
+    def _experts(self, settings):
+        """The MoE layers' expert store, device cache and counters (runtime/engine/experts.py)."""
+        from gemmactl.runtime.engine.expert_settings import ExpertSettings
+        from gemmactl.runtime.engine.experts import MoEExperts
+
+        from gemmactl.runtime.engine.experts import MissRule
+
+        placed = self.placement
+        settings = settings or ExpertSettings()
+        if settings.cache_bytes is None and placed.expert_cache_bytes is not None:
+            settings = replace(settings, cache_bytes=placed.expert_cache_bytes)  # auto: the plan's room
+        if settings.rule is None and placed.link_bytes_s and placed.host_bytes_s:
+            settings = replace(settings, rule=MissRule(placed.link_bytes_s, placed.host_bytes_s))  # the plan's prices
+        return MoEExperts(self, settings)
 
     # -- the forward pass ------------------------------------------------------------------------
 
@@ -296,6 +309,10 @@ class GemmaModel:
             x = residual + rms_norm(h, layer.norms["post_attention"], spec.eps)
             residual = x
             h = layer.feed_forward(rms_norm(x, layer.norms["pre_feedforward"], spec.eps))
+            if layer.moe is not None:  # Gemma 4 MoE: the experts' sum beside the dense MLP's
+                experts = layer.moe(rms_norm(x, layer.norms["pre_feedforward_layernorm_2"], spec.eps), x)
+                h = (rms_norm(h, layer.norms["post_feedforward_layernorm_1"], spec.eps)
+                     + rms_norm(experts, layer.norms["post_feedforward_layernorm_2"], spec.eps))
             x = residual + rms_norm(h, layer.norms["post_feedforward"], spec.eps)
             if layer.per_layer is not None:
                 residual = x

@@ -9,7 +9,9 @@ A layer is one of:
   crossing the link twice.
 
 Token and per-layer embedding tables may stay in host memory: only the rows of the current
-tokens cross the link. engine/streaming.py moves the streamed layers.
+tokens cross the link. engine/streaming.py moves the streamed layers. MoE experts always live in
+host memory; expert_cache_bytes is the device room the plan left for caching them
+(engine/experts.py; None: no plan said, room for every expert).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class EnginePlacement:
     layers: tuple[str, ...]
     tables_on_host: bool = False
     reason: str = ""
+    expert_cache_bytes: int | None = None
+    link_bytes_s: float | None = None  # the machine's host → device copy rate (the plan's profile)
+    host_bytes_s: float | None = None  # the host's memory bandwidth as its kernels reach it
 
     @classmethod
     def all_resident(cls, n_layers: int, reason: str = "every layer on the device") -> "EnginePlacement":

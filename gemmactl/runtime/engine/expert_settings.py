@@ -1,0 +1,48 @@
+"""What a tier asks of the MoE expert cache (`--expert-cache`, `--expert-policy`, recipe fields).
+
+Kept apart from runtime/engine/experts.py so recipes and the CLI can check the options without
+importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("lru", "lfu", "hot")
+DEFAULT_POLICY = "lru"  # provisional: the GPU measurement that is to choose it has not run yet
+CACHE_WORDS = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class ExpertSettings:
+    cache_bytes: int | None = None  # device bytes for cached experts; None: auto (the plan's room, else every expert)
+    policy: str = DEFAULT_POLICY
+    miss: str | None = None  # force "copy" or "cpu" for every miss (measurements, tests)
+    rule: object | None = None  # a MissRule with the machine's prices; None: copy every miss
+    prefetch: bool = False  # copy in the next MoE layer's likely experts (off: not measured to pay yet)
+
+    @property
+    def is_default(self) -> bool:
+        return self.cache_bytes is None and self.policy == DEFAULT_POLICY and self.miss is None and not self.prefetch
+
+
+def parse_expert_cache(value: str | int | None, *, option: str = "--expert-cache") -> int | None:
+    """'auto'/None → None (sized for the model), 'off' → 0, a size ('2G', '512MiB', bytes) → bytes."""
+    from gemmactl.sizes import parse_size
+
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    if str(value).strip().lower() == "off":
+        return 0
+    return parse_size(str(value), option=option)
+
+
+def check_policy(value: str | None, *, option: str = "--expert-policy") -> str:
+    from gemmactl.errors import InvalidOptionError
+
+    if value is None:
+        return DEFAULT_POLICY
+    if value not in POLICIES:
+        raise InvalidOptionError(f"{option} {value!r} is not an expert cache policy",
+                                 hint=f"Use one of: {', '.join(POLICIES)}.")
+    return value

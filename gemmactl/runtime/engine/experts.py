@@ -1,0 +1,326 @@
+"""MoE experts in the engine: every expert kept in host memory as stored, a cache of them on the device.
+
+Gemma 4 26B-A4B has 128 experts per layer and routes each token to 8: its int4 experts do not fit
+a 4 GiB card, but a token reads a few of them. So the experts stay in host memory as the artifact
+stores them (int4 codes, views of the mapped shards: nothing is read until an expert is used),
+and an `ExpertCache` of a fixed number of slots keeps recently or frequently used ones on the
+device in the kernel's layout. A miss is copied in (evicting by the cache's policy) or computed on
+the host from the stored codes; `MissRule` decides per layer and batch from the machine profile.
+
+The block computes exactly what transformers' Gemma 4 MoE block computes, expert by expert in
+ascending order with each expert's tokens grouped (its weights read once per step), so the
+answer does not depend on where an expert came from: greedy tokens are the same with the cache
+on or off and under every policy (tests/test_engine_experts.py). On a machine without a GPU the
+host stands in for the device: the cache, its policy and its counters run, and copies are
+memory copies.
+
+Policies (`--expert-policy`):
+  lru  evict the expert used longest ago;
+  lfu  evict the least used, counts halved every AGE_EVERY lookups so old favourites fade;
+  hot  a pinned set learned from the counts (re-learned every AGE_EVERY lookups: the most used
+       experts, up to PINNED_SHARE of the slots, are never evicted), the other slots LRU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from gemmactl.runtime.engine.expert_settings import DEFAULT_POLICY, POLICIES, ExpertSettings
+from gemmactl.runtime.engine.ops import rms_norm
+
+AGE_EVERY = 4096  # lookups between halving the counts (lfu) or re-learning the pinned set (hot)
+PINNED_SHARE = 0.75  # of the slots, at most, pinned by the hot policy
+
+
+class ExpertCache:
+    """Which (layer, expert) keys hold a device slot, by policy; counts every lookup.
+
+    Pure bookkeeping: the caller keeps what each slot holds. capacity 0 is the cache turned off
+    (every lookup a miss, nothing kept).
+    """
+
+    def __init__(self, capacity: int, policy: str = DEFAULT_POLICY):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown expert policy {policy!r} (known: {', '.join(POLICIES)})")
+        self.capacity, self.policy = max(0, int(capacity)), policy
+        self.slots: OrderedDict = OrderedDict()  # key → slot index, least recently used first
+        self.free = list(range(self.capacity))[::-1]
+        self.counts: dict = {}  # key → uses (decayed for lfu/hot)
+        self.uses: dict = {}  # key → uses, never decayed (what the counters report)
+        self.pinned: set = set()
+        self.hits = self.misses = self.lookups = 0
+
+    def lookup(self, key) -> int | None:
+        """The key's slot on a hit (and a use counted), else None (a miss, counted)."""
+        self.lookups += 1
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.uses[key] = self.uses.get(key, 0) + 1
+        if self.lookups % AGE_EVERY == 0:
+            self._age()
+        slot = self.slots.get(key)
+        if slot is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.slots.move_to_end(key)
+        return slot
+
+    def admit(self, key) -> tuple[int | None, object]:
+        """A slot for key after a miss: (slot, the key evicted from it or None); (None, None) when
+        the cache keeps nothing (capacity 0, or every slot pinned)."""
+        if self.capacity == 0:
+            return None, None
+        if self.free:
+            slot, evicted = self.free.pop(), None
+        else:
+            evicted = self._victim()
+            if evicted is None:
+                return None, None
+            slot = self.slots.pop(evicted)
+        self.slots[key] = slot
+        return slot, evicted
+
+    def _victim(self):
+        candidates = [key for key in self.slots if key not in self.pinned]  # oldest use first
+        if not candidates:
+            return None
+        if self.policy == "lfu":
+            return min(candidates, key=lambda key: self.counts.get(key, 0))  # ties: least recent
+        return candidates[0]
+
+    def _age(self) -> None:
+        if self.policy == "lfu":
+            self.counts = {key: count // 2 for key, count in self.counts.items() if count > 1}
+        elif self.policy == "hot":
+            ranked = sorted(self.counts, key=lambda key: -self.counts[key])
+            self.pinned = set(ranked[: int(self.capacity * PINNED_SHARE)]) & set(self.slots)
+            self.counts = {key: count // 2 for key, count in self.counts.items() if count > 1}
+
+    def stats(self) -> dict:
+        return {"policy": self.policy, "capacity_experts": self.capacity, "hits": self.hits, "misses": self.misses,
+                "hit_rate": round(self.hits / self.lookups, 4) if self.lookups else None,
+                "pinned": len(self.pinned)}
+
+
+@dataclass
+class MissRule:
+    """Copy a missed expert to the device, or compute it on the host, by which is priced lower:
+    the copy moves the expert's stored bytes over the link once; the host decodes the stored codes
+    into a dense matrix and reads it (its dense bytes written and read at the host's memory
+    bandwidth). Without a separate device (the host standing in) there is nothing to choose: copy."""
+
+    link_bytes_s: float = 0.0  # host → device
+    host_bytes_s: float = 0.0  # host memory bandwidth as the host kernel reaches it
+    host_latency_s: float = 0.0
+    forced: str | None = None  # "copy" | "cpu" (measurements, tests)
+
+    def choose(self, stored_bytes: int, dense_bytes: int, separate_device: bool) -> str:
+        if self.forced:
+            return self.forced
+        if not separate_device or not self.link_bytes_s or not self.host_bytes_s:
+            return "copy"
+        copy = stored_bytes / self.link_bytes_s
+        host = 2 * dense_bytes / self.host_bytes_s + self.host_latency_s
+        return "cpu" if host < copy else "copy"
+
+
+@dataclass
+class ExpertCounters:
+    tokens: int = 0  # tokens routed through MoE blocks (per layer, summed)
+    steps: int = 0
+    copied: int = 0
+    copied_bytes: int = 0
+    host_computed: int = 0  # expert uses computed on the host
+    prefetched: int = 0  # experts copied in ahead of their layer
+    prefetch_hits: int = 0  # ... and then used from the cache
+    uses: int = 0  # expert uses (an expert once per step, whatever its tokens)
+    per_layer_uses: dict = field(default_factory=dict)
+
+
+class ExpertStore:
+    """Every expert of the MoE layers as stored (host memory, views of the artifact's mapped
+    shards), and the device slots the cache hands out."""
+
+    def __init__(self, artifact, names: dict, device, dtype, make_linear, repack=None):
+        """names: {layer: (gate_up stack name, down stack name)}."""
+        self.artifact, self.device, self.dtype = artifact, torch.device(device), dtype
+        self.make_linear, self.repack = make_linear, repack
+        self.records: dict = {}  # (layer, expert) → (gate_up record, down record)
+        for layer, (gate_up, down) in names.items():
+            ups = {r.expert: r for r in artifact.records_of(gate_up)}
+            downs = {r.expert: r for r in artifact.records_of(down)}
+            for expert in sorted(ups):
+                self.records[(layer, expert)] = (ups[expert], downs[expert])
+        from gemmactl.runtime.engine.kernels import linear_bytes
+
+        cuda, width = self.device.type == "cuda", torch.empty((), dtype=dtype).element_size()
+        # A device slot holds an expert in the kernel's layout; a copy moves its stored bytes.
+        self.expert_bytes = max((sum(linear_bytes(r.scheme, tuple(r.shape), r.group_size, cuda=cuda, dtype_bytes=width)
+                                     for r in pair) for pair in self.records.values()), default=0)
+        self.stored_bytes = max((a.nbytes + b.nbytes for a, b in self.records.values()), default=0)
+        self.dense_bytes = max((sum(_count(r.shape) * width for r in pair) for pair in self.records.values()), default=0)
+        self.slots: dict = {}  # slot → (gate_up Linear, down Linear) on the device
+
+    def host_bytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.records.values())
+
+    def linears(self, key, device) -> tuple:
+        """The expert's two matrices as Linears on device, made from the stored codes."""
+        up, down = self.records[key]
+        cuda = device.type == "cuda"
+        return (self.make_linear(self.artifact, up, device, self.dtype, self.repack if cuda else None),
+                self.make_linear(self.artifact, down, device, self.dtype, self.repack if cuda else None))
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def expert_forward(linears: tuple, x: torch.Tensor) -> torch.Tensor:
+    """One expert on its tokens x [t, H]: GELU(tanh)(gate) · up, then down."""
+    gate_up, down = linears
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    return down(F.gelu(gate, approximate="tanh") * up)
+
+
+class MoEBlock:
+    """One layer's router and experts (Gemma 4): the part of the feed-forward that MoE layers add."""
+
+    def __init__(self, layer: int, router: dict, store: ExpertStore, cache: ExpertCache, rule: MissRule,
+                 counters: ExpertCounters, top_k: int, eps: float, hidden: int):
+        self.layer, self.router, self.store, self.cache, self.rule = layer, router, store, cache, rule
+        self.counters, self.top_k, self.eps, self.hidden = counters, top_k, eps, hidden
+        self.next: MoEBlock | None = None  # the next MoE layer's block, for prefetch
+        self.prefetch = False
+        self.prefetched: set = set()  # shared by the model's blocks: keys copied in ahead, not used yet
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, experts [T, k]) for the residual stream x [T, H]."""
+        h = rms_norm(x, None, self.eps) * self.router["scale"] * self.hidden ** -0.5
+        probs = torch.softmax(self.router["proj"](h), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, experts = torch.topk(probs, k=self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.router["per_expert_scale"][experts], experts
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The experts' sum for x [T, H] (pre_feedforward_layernorm_2 applied), routed from the
+        residual stream before the feed-forward norms, as transformers routes it."""
+        weights, experts = self.route(residual)
+        out = torch.zeros_like(x)
+        counters = self.counters
+        counters.tokens += x.shape[0]
+        for expert in torch.unique(experts).tolist():  # ascending, as transformers adds them
+            positions, slots = torch.where(experts == expert)  # token-major
+            order = torch.argsort(slots * x.shape[0] + positions)  # transformers' order: by slot, then token
+            positions, slots = positions[order], slots[order]
+            y = self._run((self.layer, expert), x[positions])
+            y = y * weights[positions, slots, None]
+            out.index_add_(0, positions, y.to(out.dtype))
+        if self.prefetch and self.next is not None:
+            self.next.fetch_ahead(residual)
+        return out
+
+    def fetch_ahead(self, residual: torch.Tensor) -> None:
+        """Copy in the experts this layer's router picks for residual (the previous MoE layer's
+        input: a guess, since this layer sees that stream after one more layer's work). Only
+        where the cache can keep them; lookups and hit counts are left alone."""
+        store, cache = self.store, self.cache
+        _, experts = self.route(residual)
+        for expert in torch.unique(experts).tolist():
+            key = (self.layer, expert)
+            if key in cache.slots:
+                continue
+            slot, _ = cache.admit(key)
+            if slot is None:
+                return
+            store.slots[slot] = store.linears(key, store.device)
+            self.prefetched.add(key)
+            self.counters.prefetched += 1
+            self.counters.copied_bytes += store.stored_bytes
+
+    def _run(self, key, x: torch.Tensor) -> torch.Tensor:
+        store, cache, counters = self.store, self.cache, self.counters
+        counters.uses += 1
+        counters.per_layer_uses[self.layer] = counters.per_layer_uses.get(self.layer, 0) + 1
+        slot = cache.lookup(key)
+        if slot is not None:
+            if key in self.prefetched:
+                self.prefetched.discard(key)
+                counters.prefetch_hits += 1
+            return expert_forward(store.slots[slot], x)
+        separate = store.device.type != "cpu"
+        # A layer the plan put on the host computes its experts there too. (Forced, the host path
+        # runs on a machine without a GPU as well: the same arithmetic, uncached.)
+        on_host = separate and x.device.type == "cpu"
+        if on_host or (self.rule.choose(store.stored_bytes, store.dense_bytes, separate) == "cpu" and (separate or self.rule.forced)):
+            counters.host_computed += 1
+            host = torch.device("cpu")
+            return expert_forward(store.linears(key, host), x.to(host)).to(x.device)
+        linears = store.linears(key, store.device)
+        counters.copied += 1
+        counters.copied_bytes += store.stored_bytes
+        slot, _ = cache.admit(key)
+        if slot is not None:
+            store.slots[slot] = linears
+        return expert_forward(linears, x)
+
+
+class MoEExperts:
+    """A model's experts: the store, the cache and the counters its MoE blocks share."""
+
+    def __init__(self, model, settings: ExpertSettings):
+        from gemmactl.runtime.engine.kernels import make_linear
+        from gemmactl.runtime.engine.spec import hf_text_config
+
+        artifact, names = model.artifact, {}
+        stored = set(artifact.tensor_names())
+        for layer in model.spec.layers:
+            up, down = (f"{model.prefix}layers.{layer.index}.experts.{part}" for part in ("gate_up_proj", "down_proj"))
+            if up in stored and down in stored:
+                names[layer.index] = (up, down)
+        # No repack cache: an expert's tinygemm layout is made on each copy (the cache's slots
+        # are its only device copies).
+        self.store = ExpertStore(artifact, names, model.device, model.dtype, make_linear)
+        total = len(self.store.records)
+        if settings.cache_bytes is None:
+            capacity = total
+        else:
+            capacity = min(total, settings.cache_bytes // max(self.store.expert_bytes, 1))
+        self.cache = ExpertCache(capacity, settings.policy)
+        self.counters = ExpertCounters()
+        self.rule = settings.rule if isinstance(settings.rule, MissRule) else MissRule()
+        if settings.miss:
+            self.rule = MissRule(self.rule.link_bytes_s, self.rule.host_bytes_s, self.rule.host_latency_s, settings.miss)
+        self.top_k = int(hf_text_config(artifact.config).top_k_experts)
+        self.prefetch, self._prefetched, self.blocks = settings.prefetch, set(), []
+        self.eps, self.hidden = model.spec.eps, model.spec.hidden
+
+    def block(self, layer: int, router: dict) -> MoEBlock:
+        """The block of the next MoE layer (layers are built in order)."""
+        block = MoEBlock(layer, router, self.store, self.cache, self.rule, self.counters, self.top_k, self.eps,
+                         self.hidden)
+        block.prefetch, block.prefetched = self.prefetch, self._prefetched
+        if self.blocks:
+            self.blocks[-1].next = block
+        self.blocks.append(block)
+        return block
+
+    def stats(self) -> dict:
+        return summarize(self.cache, self.counters, self.store)
+
+
+def summarize(cache: ExpertCache, counters: ExpertCounters, store: ExpertStore) -> dict:
+    """What run --stats, --json and bench report about the experts."""
+    uses = max(counters.uses, 1)
+    per_token = counters.copied_bytes / counters.tokens * len(counters.per_layer_uses) if counters.tokens else 0
+    return {**cache.stats(), "prefetched": counters.prefetched, "prefetch_hits": counters.prefetch_hits,
+            "expert_bytes": store.expert_bytes, "experts_host_bytes": store.host_bytes(),
+            "cache_bytes": cache.capacity * store.expert_bytes, "copied": counters.copied,
+            "link_bytes_per_token": round(per_token), "host_share": round(counters.host_computed / uses, 4)}

@@ -1,0 +1,181 @@
+"""MoE experts in the engine: the expert cache's policies and counters, and that where an expert
+comes from (cached, copied in, computed on the host) never changes a token.
+
+On this machine the host stands in for the GPU (runtime/engine/experts.py): the cache, its
+policy and its counters run as they do on a GPU, and copies are memory copies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemmactl.runtime.engine import experts as experts_module
+from gemmactl.runtime.engine.experts import ExpertCache, ExpertSettings, MissRule
+from test_engine import PROMPT, engine_greedy
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def moe_artifact(tmp_path_factory):
+    from gemmactl.formats.int4.layout import QuantizeOptions
+    from gemmactl.formats.int4.quantize import quantize_checkpoint
+    from gemmactl.formats.int4.reader import open_artifact
+    from helpers.random_gemma import build_random_gemma
+
+    folder = tmp_path_factory.mktemp("engine-moe")
+    source = build_random_gemma("moe", folder / "checkpoint")
+    quantize_checkpoint(source, folder / "artifact", QuantizeOptions(group_size=32, shard_size=1 << 30))
+    return open_artifact(folder / "artifact")
+
+
+def _engine(artifact, settings=None):
+    from gemmactl.runtime.engine.model import GemmaModel
+
+    return GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64, experts=settings)
+
+
+def test_every_cache_size_policy_and_miss_path_gives_the_same_tokens_and_logits(moe_artifact, monkeypatch):
+    """Room for every expert, for a few, for none (the cache off), each policy, misses copied in or
+    computed on the host, with and without prefetch: token for token and bit for bit what the
+    fully cached engine gives.
+    Aging runs every few lookups here, so lfu's decay and hot's pinned set change during the run."""
+    monkeypatch.setattr(experts_module, "AGE_EVERY", 7)
+    reference = _engine(moe_artifact)
+    expected_tokens, expected_logits = engine_greedy(reference, PROMPT, STEPS, chunk=3)
+    expert_bytes = reference.experts.store.expert_bytes
+    total = len(reference.experts.store.records)
+    assert reference.experts.cache.capacity == total  # default: room for every expert
+    seen_evictions = seen_prefetch_hits = False
+    for policy in ("lru", "lfu", "hot"):
+        for slots in (0, 3, total // 4):
+            for miss, prefetch in (("copy", False), ("copy", True), ("cpu", False)):
+                settings = ExpertSettings(cache_bytes=slots * expert_bytes, policy=policy, miss=miss, prefetch=prefetch)
+                engine = _engine(moe_artifact, settings)
+                tokens, logits = engine_greedy(engine, PROMPT, STEPS, chunk=3)
+                label = (policy, slots, miss, prefetch)
+                assert tokens == expected_tokens, label
+                assert torch.equal(logits, expected_logits), label
+                stats = engine.experts.stats()
+                assert stats["capacity_experts"] == slots and stats["policy"] == policy
+                assert stats["hits"] + stats["misses"] == engine.experts.cache.lookups > 0
+                if miss == "cpu" or slots == 0:
+                    assert stats["hits"] == 0  # nothing is ever kept
+                if miss == "cpu":
+                    assert stats["host_share"] == 1.0 and stats["copied"] == 0
+                else:
+                    assert stats["copied"] == stats["misses"] and stats["host_share"] == 0.0
+                    seen_evictions |= 0 < slots < stats["misses"]
+                assert (stats["prefetched"] > 0) == (prefetch and slots > 0), label
+                seen_prefetch_hits |= stats["prefetch_hits"] > 0
+    assert seen_evictions and seen_prefetch_hits
+
+
+def test_lru_evicts_the_least_recently_used():
+    cache = ExpertCache(2, "lru")
+    for key in ("a", "b"):
+        assert cache.lookup(key) is None and cache.admit(key)[1] is None
+    assert cache.lookup("a") is not None  # a is now the most recent
+    assert cache.lookup("c") is None
+    slot, evicted = cache.admit("c")
+    assert evicted == "b" and slot is not None
+    assert (cache.hits, cache.misses) == (1, 3)
+
+
+def test_lfu_evicts_the_least_used_and_ages_its_counts(monkeypatch):
+    monkeypatch.setattr(experts_module, "AGE_EVERY", 1000)
+    cache = ExpertCache(2, "lfu")
+    for key in ("a", "b"):
+        cache.lookup(key)
+        cache.admit(key)
+    for _ in range(3):
+        cache.lookup("a")  # a: 4 uses, b: 1
+    cache.lookup("b")  # b is the most recent, but still the less used
+    cache.lookup("c")
+    assert cache.admit("c")[1] == "b"
+    monkeypatch.setattr(experts_module, "AGE_EVERY", 1)
+    before = dict(cache.counts)
+    cache.lookup("c")
+    assert cache.counts["a"] == before["a"] // 2  # halved: old favourites fade
+    assert cache.uses["a"] == 4  # what the counters report is never decayed
+
+
+def test_hot_pins_the_most_used_experts(monkeypatch):
+    monkeypatch.setattr(experts_module, "AGE_EVERY", 10)
+    cache = ExpertCache(4, "hot")  # 3 of 4 slots may be pinned
+    for key in "abcd":
+        cache.lookup(key)
+        cache.admit(key)
+    for key in "aaabbc":  # the tenth lookup learns the pinned set: a, b, c
+        cache.lookup(key)
+    assert cache.pinned == {"a", "b", "c"}
+    for key in "efg":  # newcomers only ever take the unpinned slot
+        cache.lookup(key)
+        cache.admit(key)
+    assert {"a", "b", "c"} <= set(cache.slots) and len(cache.slots) == 4
+
+
+def test_the_cache_turned_off_keeps_nothing_and_unknown_policies_are_named():
+    cache = ExpertCache(0)
+    assert cache.lookup("a") is None and cache.admit("a") == (None, None) and not cache.slots
+    with pytest.raises(ValueError, match="lru, lfu, hot"):
+        ExpertCache(4, "fifo")
+
+
+def test_the_miss_rule_prices_a_copy_against_the_host():
+    stored, dense = 1 << 20, 4 << 20  # int4 codes with their scales, and the same in bfloat16
+    fast_host = MissRule(link_bytes_s=5e9, host_bytes_s=100e9)  # 0.21 ms to copy, 0.08 ms on the host
+    assert fast_host.choose(stored, dense, separate_device=True) == "cpu"
+    assert MissRule(link_bytes_s=25e9, host_bytes_s=50e9).choose(stored, dense, separate_device=True) == "copy"
+    assert fast_host.choose(stored, dense, separate_device=False) == "copy"  # no link to save
+
+
+@pytest.fixture(scope="module")
+def moe_run_artifact(tiny_checkpoint, tmp_path_factory):
+    """The tiny MoE Gemma 4 with the real Gemma 4 tokenizer, as an int4-stream artifact for `run`."""
+    from gemmactl.formats.int4.layout import QuantizeOptions
+    from gemmactl.formats.int4.quantize import quantize_checkpoint
+
+    folder = tmp_path_factory.mktemp("moe-run") / "artifact"
+    quantize_checkpoint(tiny_checkpoint("moe"), folder, QuantizeOptions(group_size=32, shard_size=1 << 30))
+    return folder
+
+
+def _run(artifact, *options):
+    import json
+
+    from conftest import run_gemmactl
+
+    proc = run_gemmactl(["run", "--model", str(artifact), "--raw", "--json", "--temperature", "0", "--max-tokens", "12",
+                         *options, "The capital of France is"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def test_run_reports_the_expert_cache_it_was_given_and_answers_alike(moe_run_artifact):
+    """`run` on an MoE artifact is the engine with its expert cache: the options reach it, the
+    counters come back in --json, and the answer is the same with the cache off."""
+    auto = _run(moe_run_artifact)
+    experts = auto["model"]["engine"]["experts"]
+    assert experts["policy"] == "lru" and experts["capacity_experts"] == 96  # 12 layers × 8: room for all
+    assert experts["hits"] > 0 and experts["hits"] + experts["misses"] > 0
+    small = _run(moe_run_artifact, "--expert-cache", str(3 * experts["expert_bytes"]) + "B", "--expert-policy", "lfu",
+                 "--expert-prefetch")
+    assert small["model"]["engine"]["experts"]["capacity_experts"] == 3
+    assert small["model"]["engine"]["experts"]["policy"] == "lfu"
+    assert small["model"]["engine"]["experts"]["prefetched"] > 0
+    off = _run(moe_run_artifact, "--expert-cache", "off")
+    assert off["model"]["engine"]["experts"]["hits"] == 0
+    assert auto["answer"] == small["answer"] == off["answer"] and auto["answer"]
+
+
+def test_expert_options_that_cannot_apply_are_one_line_each(moe_run_artifact, runner, isolated_home):
+    from conftest import invoke
+
+    result = invoke(runner, ["run", "--model", str(moe_run_artifact), "--expert-policy", "fifo", "hello"])
+    assert result.exit_code != 0 and "lru, lfu, hot" in result.output and "Traceback" not in result.output
+    result = invoke(runner, ["run", "--model", str(moe_run_artifact), "--expert-cache", "lots", "hello"])
+    assert result.exit_code != 0 and "--expert-cache 'lots' is not a size" in result.output
+    result = invoke(runner, ["run", "--expert-cache", "1G", "hello"])  # the embedded GGUF: llama.cpp
+    assert result.exit_code != 0 and "expert cache belongs to the int4 engine" in result.output
