@@ -87,7 +87,8 @@ class ChatSession:
         key = (str(model.path), spec.tier.context)
         if key not in self._backends:
             self._backends[key] = open_backend(model, context=spec.tier.context, store=self.store, vram=spec.tier.vram,
-                                               experts=expert_settings_for(spec.tier))
+                                               experts=expert_settings_for(spec.tier), kv_cache=spec.tier.kv_cache,
+                                               yarn=spec.tier.yarn)
         return self._backends[key]
 
     def close(self) -> None:

@@ -124,6 +124,8 @@ def open_backend(
     vram: int | None = None,
     rpc: tuple[str, ...] = (),
     experts=None,
+    kv_cache: str | None = None,
+    yarn: float | None = None,
 ) -> Backend:
     """Load the model on the backend its format needs.
 
@@ -134,21 +136,34 @@ def open_backend(
     the caller says (an EnginePlacement). vram: the tier's GPU budget (default: free memory).
     rpc: RPC workers (HOST:PORT[=SIZE]) that take a share of a GGUF's layers (plan/rpc_split.py).
     experts: an ExpertSettings for MoE models on the engine (expert_settings_for builds it).
+    kv_cache: the KV cache mode (runtime/engine/kv_modes.py: the engine's modes, or llama.cpp's
+    cache types). yarn: a YaRN factor for the engine's global layers.
     """
+    from gemmactl.runtime.engine.kv_modes import check_mode
+
     kind = backend_for(model)
     options: dict = {"context_size": context, "n_threads": threads}
     if experts is not None and not experts.is_default and kind != "int4":
         raise InvalidOptionError("the expert cache belongs to the int4 engine, and this model runs on llama.cpp",
                                  hint="Drop --expert-cache/--expert-policy (GGUF tiers keep experts on the CPU with "
                                       "the plan's -ot), or give the tier an int4-stream artifact.")
+    check_mode(kv_cache, kind)
+    if yarn and kind != "int4":
+        raise InvalidOptionError("a YaRN factor is applied by the int4 engine, and this model runs on llama.cpp",
+                                 hint="Drop --yarn (or the tier's yarn:), or give the tier an int4-stream artifact.")
     if kind == "llamacpp":
         from gemmactl.llamacpp.library import select_library
 
         if placement == AUTO:
             placement = gpu_placement(model.path, context, parallel=parallel, store=store, vram=vram, rpc=rpc)
         if placement is not None and placement.rpc:
+            if kv_cache:
+                raise InvalidOptionError("a KV cache type with RPC workers is not supported yet",
+                                         hint="Drop --kv-cache (or the tier's kv_cache:) for a split model.")
             return _served(model, placement, context=context, threads=threads, store=store)
         extra = dict(extra_args or {})
+        if kv_cache:
+            extra.update(llama_kv_args(kv_cache))
         if placement is not None and placement.applied:
             options.update(n_gpu_layers=placement.n_gpu_layers, tensor_overrides=placement.tensor_overrides)
             extra.setdefault("swa_full", False)  # the plan sized the sliding layers' KV to the window
@@ -160,11 +175,22 @@ def open_backend(
         if placement == AUTO:
             from gemmactl.plan.auto import engine_placement
 
-            placement = engine_placement(model.path, context, vram=vram, store=store)
+            placement = engine_placement(model.path, context, vram=vram, store=store, kv_mode=kv_cache)
         options["placement"] = placement
         if experts is not None:
             options["experts"] = experts
+        options.update(kv_mode=kv_cache, yarn=yarn)
     return backend_class(kind)(str(model.path), **options)
+
+
+LLAMA_KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml type ids (llama_cpp.GGML_TYPE_*)
+
+
+def llama_kv_args(mode: str) -> dict:
+    """llama-cpp-python's arguments for a KV cache type: the same type for K and V, and flash
+    attention, which llama.cpp needs to keep V quantized."""
+    kind = LLAMA_KV_TYPES[mode]
+    return {"type_k": kind, "type_v": kind, "flash_attn": mode != "f16"}
 
 
 def expert_settings_for(tier, cache: str | None = None, policy: str | None = None, prefetch: bool | None = None):

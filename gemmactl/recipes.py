@@ -78,6 +78,8 @@ class Tier:
     expert_cache: int | None = None  # MoE on the int4 engine: device bytes for cached experts (None: auto, 0: off)
     expert_policy: str | None = None  # lru, lfu or hot (None: the engine's default)
     expert_prefetch: bool = False  # copy in the next MoE layer's likely experts ahead of it
+    kv_cache: str | None = None  # KV cache mode: bf16/int8/tq4/tq3 (int4 engine), f16/q8_0/q4_0 (llama.cpp)
+    yarn: float | None = None  # YaRN factor for the global layers' rope (int4 engine)
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,7 @@ _TOP_KEYS = ("name", "description", "default_tier", "tiers")
 _TIER_KEYS = (
     "model", "backend", "context", "thinking", "sampling", "description", "make", "needs", "parallel", "speculative",
     "flash_attn", "backend_sampling", "vram", "rpc", "expert_cache", "expert_policy",
-    "expert_prefetch",
+    "expert_prefetch", "kv_cache", "yarn",
 )
 _SPECULATIVE_KEYS = ("type", "draft_model", "draft_max", "draft_min", "enabled")
 _SAMPLING_KEYS = tuple(f.name for f in fields(Sampling))
@@ -322,6 +324,19 @@ class _Reader:
             changes["expert_policy"] = _scalar(entry.value)
         if "expert_prefetch" in values:
             changes["expert_prefetch"] = self.boolean(values["expert_prefetch"])
+        if "kv_cache" in values:
+            from gemmactl.runtime.engine.kv_modes import ENGINE_MODES, LLAMACPP_MODES
+
+            entry = values["kv_cache"]
+            known = ENGINE_MODES if changes.get("backend", "llamacpp") == "int4" else LLAMACPP_MODES
+            if _scalar(entry.value) not in known:
+                raise self.error(entry.value, f"{entry.path} must be one of {', '.join(known)} with backend "
+                                              f"{changes.get('backend', 'llamacpp')}, got {_shown(entry.value)}")
+            changes["kv_cache"] = _scalar(entry.value)
+        if "yarn" in values:
+            if changes.get("backend", "llamacpp") != "int4":
+                raise self.error(values["yarn"].value, f"{values['yarn'].path} needs backend: int4 (the engine applies YaRN)")
+            changes["yarn"] = self.number(values["yarn"], lambda x: 1 <= x <= 64, "a YaRN factor from 1 to 64")
         return Tier(name=name, model=model, **changes)  # type: ignore[arg-type]
 
     def workers(self, entry: _Field) -> tuple[str, ...]:

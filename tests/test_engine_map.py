@@ -192,3 +192,29 @@ def test_moe_under_the_plans_placement_decodes_the_same_tokens(moe_artifact):
         assert engine_greedy(engine, PROMPT, 16, chunk=5)[0] == expected
         cached = engine.experts.cache.capacity  # the plan's room, in this device's expert size
         assert (cached > 0) == (chosen.expert_cache_bytes > 0)
+
+
+def test_the_kv_mode_sizes_the_caches_and_context_max_finds_the_longest(artifact, runner):
+    """tq4 keeps about a quarter of bf16's KV bytes, so at the budget where bf16 reaches 1024 tokens
+    tq4 reaches at least 3.5 times as many (the issue's goal); `plan --context max` says so."""
+    from gemmactl.plan.engine_map import longest_context
+
+    kv = {mode: plan_engine(artifact, PROFILE, 64 << 30, 4096, mode).gpu_bytes["kv"] for mode in ("bf16", "int8", "tq4", "tq3")}
+    assert kv["bf16"] > kv["int8"] > kv["tq4"] > kv["tq3"] > 0
+    budget = plan_engine(artifact, PROFILE, 64 << 30, 1024).minimum_vram_bytes
+    longest = {mode: longest_context(artifact, PROFILE, budget, mode) for mode in ("bf16", "tq4")}
+    assert longest["bf16"] == 1024 and longest["tq4"] >= 3.5 * longest["bf16"]
+    result = invoke(runner, ["plan", str(artifact), "--backend", "int4", "--hardware", "desktop-4g", "--vram",
+                             f"{budget}B", "--context", "max", "--kv-cache", "tq4", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["context"] == longest["tq4"] and data["engine"]["kv_cache"] == "tq4"
+    result = invoke(runner, ["plan", str(artifact), "--backend", "int4", "--hardware", "desktop-4g", "--vram",
+                             f"{budget}B", "--context", "4096"])
+    assert result.exit_code != 0 and "the longest context that fits is 1024" in result.output
+    assert "--context 1024 or less" in result.output and "Traceback" not in result.output
+    for args, message in ((["--backend", "llamacpp", "--context", "max"], "size the int4 engine's plan"),
+                          (["--backend", "int4", "--kv-cache", "q4_0"], "not a KV cache mode of the int4 engine"),
+                          (["--backend", "int4", "--context", "lots"], "neither a number of tokens nor max")):
+        result = invoke(runner, ["plan", str(artifact), "--hardware", "desktop-4g", *args])
+        assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output, result.output

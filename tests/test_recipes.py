@@ -463,3 +463,16 @@ def test_expert_cache_fields():
         parse_recipe("tiers:\n  deep:\n    model: a\n    expert_policy: fifo\n")
     with pytest.raises(RecipeError, match=r"tiers\.deep\.expert_cache"):
         parse_recipe("tiers:\n  deep:\n    model: a\n    expert_cache: lots\n")
+
+
+def test_kv_cache_and_yarn_fields_follow_the_tiers_backend():
+    recipe = parse_recipe("tiers:\n  fast:\n    model: a\n    kv_cache: q8_0\n"
+                          "  deep:\n    model: b\n    backend: int4\n    kv_cache: tq4\n    yarn: 4\n")
+    assert recipe.tiers["fast"].kv_cache == "q8_0" and recipe.tiers["fast"].yarn is None
+    assert (recipe.tiers["deep"].kv_cache, recipe.tiers["deep"].yarn) == ("tq4", 4.0)
+    for text, message in (("    kv_cache: tq4\n", r"tiers\.fast\.kv_cache must be one of f16, q8_0, q4_0 with backend llamacpp"),
+                          ("    backend: int4\n    kv_cache: q4_0\n", r"must be one of bf16, int8, tq4, tq3 with backend int4"),
+                          ("    yarn: 4\n", r"tiers\.fast\.yarn needs backend: int4"),
+                          ("    backend: int4\n    yarn: 0.5\n", r"a YaRN factor from 1 to 64")):
+        with pytest.raises(RecipeError, match=message):
+            parse_recipe("tiers:\n  fast:\n    model: a\n" + text)

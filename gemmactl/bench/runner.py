@@ -246,7 +246,7 @@ def _load_fitting(model, tier, request, prompts, config: BenchConfig, store: Sto
     from gemmactl.generate import expert_settings_for, open_backend
 
     backend = open_backend(model, context=config.context or tier.context, store=store, vram=tier.vram, rpc=tier.rpc,
-                           experts=expert_settings_for(tier))
+                           experts=expert_settings_for(tier), kv_cache=tier.kv_cache, yarn=tier.yarn)
     try:
         longest = max(len(backend.prepare(replace(request, prompt=p.text)).tokens) for p in _all_prompts(prompts, config))
     except BaseException:
@@ -265,7 +265,7 @@ def _load_fitting(model, tier, request, prompts, config: BenchConfig, store: Sto
     note = f"raised from the tier's {backend.context_size} to fit {longest} prompt + {config.max_tokens} tokens"
     # llama_cpp is imported by now with the library chosen for the first load: select_library reuses it.
     return open_backend(model, context=_round_up(needed), store=store, vram=tier.vram, rpc=tier.rpc,
-                        experts=expert_settings_for(tier)), note
+                        experts=expert_settings_for(tier), kv_cache=tier.kv_cache, yarn=tier.yarn), note
 
 
 def _extra_buffers() -> bool:

@@ -9,11 +9,26 @@ from gemmactl.cli.output import emit_json, table, warn
 from gemmactl.sizes import format_size
 
 
+class ContextLength(click.ParamType):
+    """A number of tokens, or max."""
+
+    name = "context"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or str(value).strip().lower() == "max":
+            return value if isinstance(value, int) else "max"
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number of tokens nor max", param, ctx)
+
+
 @click.command("plan")
 @click.argument("model", shell_complete=complete.models)
 @click.option("--vram", metavar="SIZE", help="GPU memory to plan for (default: the GPU's free memory, or the profile's).")
 @click.option("--ram", metavar="SIZE", help="RAM to plan for (default: this machine's, or the profile's).")
-@click.option("--context", type=int, default=8192, show_default=True, metavar="N", help="Context length in tokens, per sequence.")
+@click.option("--context", type=ContextLength(), default="8192", show_default=True, metavar="N|max", help="Context length in tokens, per sequence; max: the longest the int4 engine's plan fits in the budget.")
+@click.option("--kv-cache", "kv_cache", metavar="MODE", help="The int4 engine's KV cache mode to size: bf16 (default), int8, tq4 or tq3.")
 @click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True, metavar="N", help="Sequences served at once (each gets --context).")
 @click.option("--backend", type=click.Choice(["llamacpp", "int4"]), default="llamacpp", show_default=True, help="Runtime the plan is for.")
 @click.option("--quant", metavar="TYPE", help="For a checkpoint or a config-only folder: the quantization to plan for (Q4_K_M, Q8_0, BF16, int4-g32, ...; a config alone defaults to Q4_K_M).")
@@ -23,7 +38,7 @@ from gemmactl.sizes import format_size
 @click.option("--rpc", "rpc", multiple=True, metavar="HOST:PORT[=SIZE]", help="Split the model across this machine and llama.cpp RPC workers lending SIZE each (without =SIZE: what the worker reports free); repeatable or comma-separated.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the plan as JSON (schema in docs/placement.md).")
 @click.option("--out", "out", metavar="FILE", type=click.Path(dir_okay=False), help="Write the plan as JSON to FILE (atomically).")
-def plan(model, vram, ram, context, parallel, backend, quant, hardware, remeasure, verify, rpc, json_mode, out):
+def plan(model, vram, ram, context, kv_cache, parallel, backend, quant, hardware, remeasure, verify, rpc, json_mode, out):
     """Place a model's layers under a VRAM budget and predict its speed.
 
     MODEL is a store name, a .gguf file, an int4-stream folder, a Hugging Face checkpoint folder,
@@ -54,7 +69,7 @@ def plan(model, vram, ram, context, parallel, backend, quant, hardware, remeasur
                                      param_hint="--out")
     result = build_plan(
         model, vram=vram, ram=ram, context=context, parallel=parallel, backend=backend, quant=quant,
-        hardware=hardware, remeasure=remeasure, rpc=tuple(rpc),
+        hardware=hardware, remeasure=remeasure, rpc=tuple(rpc), kv_cache=kv_cache,
     )
     for message in result.warnings:
         warn(message)

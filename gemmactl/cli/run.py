@@ -28,9 +28,11 @@ from gemmactl.sizes import format_size
 @click.option("--expert-cache", "expert_cache", metavar="SIZE|auto|off", help="MoE models on the int4 engine: GPU memory for cached experts (default: the tier's, else auto: the room the plan leaves).")
 @click.option("--expert-policy", "expert_policy", metavar="lru|lfu|hot", help="Which cached expert makes room for a new one (default: the tier's, else lru).")
 @click.option("--expert-prefetch/--no-expert-prefetch", "expert_prefetch", default=None, help="Copy in the next MoE layer's likely experts ahead of it (default: the tier's, else off).")
+@click.option("--kv-cache", "kv_cache", metavar="MODE", help="KV cache mode: bf16, int8, tq4 or tq3 on the int4 engine; f16, q8_0 or q4_0 on llama.cpp (default: the tier's).")
+@click.option("--yarn", "yarn", type=click.FloatRange(min=1, max=64), metavar="FACTOR", help="YaRN rope scaling of the global layers by FACTOR (int4 engine; default: the tier's).")
 @click.option("--json", "json_mode", is_flag=True, help="Print one JSON object: answer, thinking, route and stats.")
 def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show_thinking, raw, stats, rpc, expert_cache,
-        expert_policy, expert_prefetch, json_mode):
+        expert_policy, expert_prefetch, kv_cache, yarn, json_mode):
     """Answer a prompt with a local model, routed to a tier.
 
     The answer streams to stdout as it is generated. The PROMPT comes from the arguments, or
@@ -66,7 +68,8 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
         resolved = resolve_run_model(spec, store, progress=progress)
     experts = expert_settings_for(spec.tier, expert_cache, expert_policy, expert_prefetch)
     backend = open_backend(resolved, context=spec.tier.context, store=store, vram=spec.tier.vram,
-                           rpc=workers or spec.tier.rpc, experts=experts)
+                           rpc=workers or spec.tier.rpc, experts=experts, kv_cache=kv_cache or spec.tier.kv_cache,
+                           yarn=yarn or spec.tier.yarn)
     if not json_mode:
         for notice in backend.notices:
             warn(notice)
@@ -160,7 +163,8 @@ def _engine_text(d: dict) -> str:
     capture = "CUDA graph" if d.get("cuda_graph") else "eager"
     if d.get("compiled"):
         capture = f"compiled, {capture}"
-    text = (f"engine: {d['device']} {d['dtype']}, {'/'.join(d['kernels'])}, {capture}; {d['placement']}; "
+    kv = f", KV {d['kv_cache']}" if d.get("kv_cache", "bf16") != "bf16" else ""
+    text = (f"engine: {d['device']} {d['dtype']}{kv}, {'/'.join(d['kernels'])}, {capture}; {d['placement']}; "
             f"weights {format_size(d['weights_device_bytes'])} {'on the GPU' if d['device'] != 'cpu' else 'in memory'}")
     if d.get("weights_host_bytes"):
         text += f", {format_size(d['weights_host_bytes'])} in host memory"

@@ -56,6 +56,7 @@ class EngineMap:
     expert_cache_bytes: int | None = None  # MoE models: device room for cached experts
     expert_bytes: int = 0  # one expert in the device layout
     experts: int = 0  # experts in the model (every MoE layer)
+    kv_mode: str = "bf16"  # the KV caches' mode the map was sized for
 
     @property
     def gpu_total(self) -> int:
@@ -66,15 +67,17 @@ class EngineMap:
         return {"layers": list(self.layers), "counts": counts, "tables": "host" if self.tables_on_host else "gpu",
                 "gpu_bytes": {**self.gpu_bytes, "total": self.gpu_total}, "host_bytes": self.host_bytes,
                 "link_bytes_per_token": self.link_bytes_per_token, "decode_tok_s": round(self.decode_tok_s, 2),
-                "minimum_vram_bytes": self.minimum_vram_bytes, "reason": self.reason,
+                "minimum_vram_bytes": self.minimum_vram_bytes, "reason": self.reason, "kv_cache": self.kv_mode,
                 **({"experts": {"count": self.experts, "expert_bytes": self.expert_bytes,
                                 "cache_bytes": self.expert_cache_bytes,
                                 "cached": self.expert_cache_bytes // self.expert_bytes}} if self.experts else {})}
 
 
-def _costs(index: dict, spec, context: int) -> tuple[list[LayerCost], dict[str, int], dict[str, int]]:
+def _costs(index: dict, spec, context: int, kv_mode: str | None = None
+           ) -> tuple[list[LayerCost], dict[str, int], dict[str, int]]:
     """Per-layer costs, the GPU-side globals and the tables, from the artifact's index."""
     from gemmactl.runtime.engine.kernels import linear_bytes
+    from gemmactl.runtime.engine.kv_modes import vector_bytes
 
     layers = {layer.index: [0, 0] for layer in spec.layers}
     globals_ = {"head": 0, "projection": 0, "norms": 0}
@@ -111,7 +114,8 @@ def _costs(index: dict, spec, context: int) -> tuple[list[LayerCost], dict[str, 
         kv = 0
         if layer.owns_kv:
             ring = layer.kind == "sliding_attention" and 0 < spec.window < context
-            kv = (spec.window if ring else context) * layer.kv_heads * layer.head_dim * 2 * 2 + (spec.window if ring else context) * 8
+            slots = spec.window if ring else context  # K and V per slot and head, and the slot's position
+            kv = slots * layer.kv_heads * 2 * vector_bytes(kv_mode or "bf16", layer.head_dim) + slots * 8
         device_bytes, dense_bytes = layers[layer.index]
         costs.append(LayerCost(layer.index, device_bytes, dense_bytes, kv, layer.index in readers))
     tables["experts"] = experts
@@ -130,15 +134,60 @@ def _work_bytes(spec) -> int:
     return CHUNK_TOKENS * spec.hidden * 2 * 8 + CHUNK_TOKENS * 4 * spec.hidden * 2 * 3 * 2 + spec.vocab * 4 * 2
 
 
-def plan_engine(artifact: Path, profile, vram_bytes: int, context: int) -> EngineMap:
-    """The engine's map for an int4-stream artifact under a VRAM budget (profile: the machine's)."""
+def longest_context(artifact: Path, profile, vram_bytes: int, kv_mode: str | None = None, step: int = 256) -> int:
+    """The longest context (a multiple of step, up to the model's own) the engine can run in the
+    budget at all: its least-that-works map fits. Raises BudgetTooSmallError when not even step
+    tokens do."""
+    from gemmactl.formats.int4.reader import read_index
+    from gemmactl.runtime.engine.spec import hf_text_config
+
+    config = read_index(Path(artifact)).get("config") or {}
+    top = max(step, int(hf_text_config(config).max_position_embeddings) // step * step)
+    plan_engine(artifact, profile, vram_bytes, step, kv_mode)  # raises with the minimum when nothing fits
+    low, high = step, top  # low fits; find the last that does
+    while low < high:
+        middle = (low + high + step) // 2 // step * step
+        try:
+            plan_engine(artifact, profile, vram_bytes, middle, kv_mode)
+            low = middle
+        except BudgetTooSmallError:
+            high = middle - step
+    return low
+
+
+def plan_engine_or_say_the_longest(artifact: Path, profile, vram_bytes: int, context: int,
+                                   kv_mode: str | None = None) -> EngineMap:
+    """plan_engine; when the context is what does not fit, the error names the longest that does."""
+    try:
+        return plan_engine(artifact, profile, vram_bytes, context, kv_mode)
+    except BudgetTooSmallError as exc:
+        try:
+            longest = longest_context(artifact, profile, vram_bytes, kv_mode)
+        except BudgetTooSmallError:
+            raise exc from None
+        if longest >= context:
+            raise
+        raise BudgetTooSmallError(f"{exc.message}; at this budget the longest context that fits is {longest}",
+                                  hint=f"Use --context {longest} or less, or a KV cache mode that keeps less "
+                                       f"(--kv-cache int8, tq4, tq3). {exc.hint}") from None
+
+
+def plan_engine(artifact: Path, profile, vram_bytes: int, context: int, kv_mode: str | None = None) -> EngineMap:
+    """The engine's map for an int4-stream artifact under a VRAM budget (profile: the machine's),
+    its KV caches sized for kv_mode (runtime/engine/kv_modes.py; default bf16)."""
     from gemmactl.formats.int4.reader import read_index
     from gemmactl.runtime.engine.spec import model_spec
 
     index = read_index(Path(artifact))
     shapes = {r["name"]: tuple(r.get("stack_shape") or r["shape"]) for r in index.get("tensors", [])}
     spec = model_spec(index.get("config") or {}, shapes)
-    costs, globals_, tables = _costs(index, spec, context)
+    chosen = _plan(index, spec, profile, vram_bytes, context, kv_mode)
+    chosen.kv_mode = kv_mode or "bf16"
+    return chosen
+
+
+def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: str | None) -> EngineMap:
+    costs, globals_, tables = _costs(index, spec, context, kv_mode)
     experts = tables.pop("experts")
     gpu_bw, link, cpu_bw = profile.gpu_bandwidth, profile.host_to_device, profile.cpu_bandwidth
     fixed = {"reserve": profile.gpu_reserve_bytes, "globals": sum(globals_.values()), "work": _work_bytes(spec) + MARGIN_BYTES}

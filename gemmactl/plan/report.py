@@ -61,7 +61,7 @@ def build_plan(
     *,
     vram: str | None = None,
     ram: str | None = None,
-    context: int = 8192,
+    context: int | str = 8192,
     parallel: int = 1,
     backend: str = "llamacpp",
     quant: str | None = None,
@@ -69,13 +69,24 @@ def build_plan(
     remeasure: bool = False,
     store=None,
     rpc: tuple[str, ...] = (),
+    kv_cache: str | None = None,
 ) -> PlanResult:
-    """Inventory the model, pick the profile and budgets, and solve."""
+    """Inventory the model, pick the profile and budgets, and solve. context "max": the longest
+    the int4 engine's plan fits in the budget. kv_cache: the engine's KV cache mode to size."""
+    from gemmactl.runtime.engine.kv_modes import check_mode
     from gemmactl.store import Store
 
     store = store or Store()
     vram_bytes = parse_size(vram, option="--vram") if vram is not None else None
     ram_bytes = parse_size(ram, option="--ram") if ram is not None else None
+    longest = context == "max"
+    if (longest or kv_cache) and backend != "int4":
+        raise InvalidOptionError("--context max and --kv-cache size the int4 engine's plan; llama.cpp plans keep "
+                                 "an f16 KV cache and a given context",
+                                 hint="Plan an int4-stream artifact with --backend int4, or drop them.")
+    check_mode(kv_cache, backend)
+    if longest:
+        context = 256  # for the checks below; the engine's plan finds the longest
     if context < 1:
         raise InvalidOptionError(f"--context must be at least 1, got {context}")
     path = resolve_plan_model(model, store)
@@ -108,9 +119,18 @@ def build_plan(
     plan.budget = Budget(vram_bytes, ram_bytes)
     engine = None
     if backend == "int4" and inventory.source == "int4-stream":
-        from gemmactl.plan.engine_map import plan_engine
+        from gemmactl.plan.engine_map import plan_engine_or_say_the_longest
 
-        engine = plan_engine(path, profile, vram_bytes, context) if profile.has_gpu else None
+        if longest:
+            from gemmactl.plan.engine_map import longest_context
+
+            if not profile.has_gpu:
+                raise InvalidOptionError("--context max needs a GPU to plan for, and there is none here",
+                                         hint="Pass --hardware desktop-4g (or another profile) with --vram.")
+            context = longest_context(path, profile, vram_bytes, kv_cache)
+            plan = plan_placement(inventory, profile, budget, context=context, parallel=parallel)
+            plan.budget = Budget(vram_bytes, ram_bytes)
+        engine = plan_engine_or_say_the_longest(path, profile, vram_bytes, context, kv_cache) if profile.has_gpu else None
     split = None
     if rpc:
         if backend == "int4":

@@ -66,6 +66,8 @@ class BackendPlan:
     vram: int | None = None  # the tiers' GPU budget (recipe vram)
     rpc: tuple[str, ...] = ()  # the tiers' RPC workers (recipe rpc), for llama.cpp tiers
     experts: object | None = None  # the tiers' expert cache (recipe expert_*), for int4 tiers
+    kv_cache: str | None = None  # the tiers' KV cache mode (recipe kv_cache)
+    yarn: float | None = None  # the tiers' YaRN factor (recipe yarn), for int4 tiers
 
 
 def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_build: bool
@@ -98,7 +100,7 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
             if slots == "auto":
                 slots, slots_note = auto_slots(path, tier.context, store)
             key = ("llama-server", str(path), tier.context, slots, spec_args, tier.flash_attn, tier.backend_sampling,
-                   tier.vram, tier.rpc)
+                   tier.vram, tier.rpc, tier.kv_cache)
             kind = "llama-server"
         else:
             if kind == "llamacpp":
@@ -110,7 +112,7 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
                 if value:
                     warnings.append(f"tier {name}: {field} needs llama-server; it is off for this tier")
             key = (kind, str(path), tier.context, tier.vram, tier.rpc, tier.expert_cache, tier.expert_policy,
-                   tier.expert_prefetch)
+                   tier.expert_prefetch, tier.kv_cache, tier.yarn)
             spec_args, spec_note = (), "off"
         if key in plans:
             plans[key].tiers.append(name)
@@ -119,7 +121,8 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
             served = kind == "llama-server"
             plans[key] = BackendPlan(key, kind, model, [name], tier.context, parallel, spec_args, spec_note, slots_note,
                                      tier.flash_attn if served else "off", tier.backend_sampling and served,
-                                     tier.vram, tier.rpc, expert_settings_for(tier) if kind == "int4" else None)
+                                     tier.vram, tier.rpc, expert_settings_for(tier) if kind == "int4" else None,
+                                     tier.kv_cache, tier.yarn)
     _one_head_per_worker(plans.values())
     return list(plans.values()), unavailable, warnings
 
@@ -265,8 +268,11 @@ class Service:
                 build.binary("llama-server"), plan.model.path, tiers=plan.tiers, context=plan.context,
                 parallel=plan.parallel, threads=threads, log_dir=self.store.home / "logs" / "serve",
                 placement=placement, placement_note=note, speculative=plan.spec_note,
-                extra_args=plan.spec_args + (("--backend-sampling",) if plan.backend_sampling else ()),
-                flash_attn=plan.flash_attn, on_change=self.write_state, replan=replan if plan.rpc else None,
+                extra_args=plan.spec_args + (("--backend-sampling",) if plan.backend_sampling else ())
+                + (("-ctk", plan.kv_cache, "-ctv", plan.kv_cache) if plan.kv_cache else ()),
+                # llama.cpp keeps a quantized V only with flash attention
+                flash_attn="on" if plan.kv_cache not in (None, "f16") else plan.flash_attn,
+                on_change=self.write_state, replan=replan if plan.rpc else None,
             )
             backend.start()
             log.info("tiers %s: llama-server pid %s on port %s, %d slots of %d tokens, -fa %s, backend sampling %s, "
@@ -275,7 +281,7 @@ class Service:
                      backend.info.speculative, time.perf_counter() - started)
             return backend
         loaded = open_backend(plan.model, context=plan.context, store=self.store, threads=threads, vram=plan.vram,
-                              rpc=plan.rpc, experts=plan.experts)
+                              rpc=plan.rpc, experts=plan.experts, kv_cache=plan.kv_cache, yarn=plan.yarn)
         for notice in loaded.notices:
             log.warning(notice)
         log.info("tiers %s: %s in process, one request at a time (%.1f s)", ",".join(plan.tiers), plan.kind,

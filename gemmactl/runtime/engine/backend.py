@@ -53,7 +53,8 @@ class EngineBackend(HfTokenizerText):
     name = "int4"
 
     def __init__(self, model_path: str, *, context_size: int = 4096, n_threads: int | None = None,
-                 device: str = "auto", dtype=None, placement=None, experts=None):
+                 device: str = "auto", dtype=None, placement=None, experts=None, kv_mode: str | None = None,
+                 yarn: float | None = None):
         import torch
         from transformers import AutoTokenizer
 
@@ -68,15 +69,15 @@ class EngineBackend(HfTokenizerText):
         self.dtype = dtype or engine_dtype()
         start = time.perf_counter()
         artifact = open_runnable_artifact(model_path)
-        limit = int(artifact.config.get("max_position_embeddings") or context_size)
-        self.context_size = min(context_size, limit)
+        limit = int(artifact.config.get("max_position_embeddings") or context_size) * (yarn or 1)
+        self.context_size = int(min(context_size, limit))
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
             # A GPU plan's placement; on the CPU every layer is simply there.
             placement = placement if self.device.startswith("cuda") else None
             with torch.inference_mode():
                 self.model = GemmaModel(artifact, device=self.device, dtype=self.dtype, context=self.context_size,
-                                        placement=placement, experts=experts)
+                                        placement=placement, experts=experts, kv_mode=kv_mode, yarn=yarn)
             self.decoder = DecodeStep(self.model, cache_dir=Path(artifact.path) / "engine-cache" / "inductor")
         except (OSError, ValueError, KeyError) as exc:
             raise BackendError(f"could not load {model_path}: {exc}", hint=DEBUG_HINT) from exc
@@ -94,6 +95,7 @@ class EngineBackend(HfTokenizerText):
         """What the engine chose: device, dtype, kernels, placement, capture, memory."""
         kernels = sorted({lin.kernel for layer in self.model.layers for lin in layer.linears().values()})
         return {"device": self.device, "dtype": str(self.dtype).removeprefix("torch."), "kernels": kernels,
+                "kv_cache": self.model.kv_mode,
                 "placement": self.model.placement.summary(), "cuda_graph": self.decoder.graph is not None,
                 "compiled": self.decoder.compiled, "setup_s": round(self.decoder.setup_s, 3), **self.model.memory(),
                 **({"experts": self.model.experts.stats()} if self.model.experts is not None else {})}
@@ -172,6 +174,7 @@ def open_int4_backend(model_path: str, **options):
         from gemmactl.runtime.int4_backend import Int4Backend
 
         options.pop("placement", None)  # it places nothing: one device for the whole model
-        options.pop("experts", None)
+        for engine_only in ("experts", "kv_mode", "yarn"):
+            options.pop(engine_only, None)
         return Int4Backend(model_path, **options)
     return EngineBackend(model_path, **options)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from gemmactl.runtime.engine.kernels import Linear, RepackCache, make_linear
+from gemmactl.runtime.engine.kv import KVCache, make_cache
 from gemmactl.runtime.engine.ops import rms_norm
 from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
 from gemmactl.runtime.engine.streaming import LayerStreamer, StagedLayer
@@ -43,30 +44,6 @@ class Attention:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     v_norm: bool  # Gemma 4 normalizes values (without a scale)
-
-
-class KVCache:
-    """One layer's keys and values: all positions (full attention) or a ring of the window (sliding)."""
-
-    def __init__(self, slots: int, kv_heads: int, head_dim: int, ring: bool, dtype, device):
-        self.k = torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device)  # [S, K, D]
-        self.v = torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device)  # [S, K, D]
-        self.ring = ring
-        # The position each slot holds (-1: none yet); for a full cache, slot = position.
-        self.pos = torch.full((slots,), -1, dtype=torch.long, device=device)  # [S]
-        self.slots = slots
-
-    def reset(self) -> None:
-        self.pos.fill_(-1)
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Store k, v [T, K, D] at their positions [T] (the last `slots` of them, for a ring)."""
-        if self.ring and k.shape[0] > self.slots:
-            k, v, positions = k[-self.slots:], v[-self.slots:], positions[-self.slots:]
-        slots = positions % self.slots if self.ring else positions
-        self.k.index_copy_(0, slots, k)
-        self.v.index_copy_(0, slots, v)
-        self.pos.index_copy_(0, slots, positions)
 
 
 class Layer:
@@ -110,8 +87,11 @@ class GemmaModel:
     ready to step."""
 
     def __init__(self, artifact, *, device: str, dtype: torch.dtype, context: int,
-                 placement: EnginePlacement | None = None, experts=None):
-        """experts: an ExpertSettings for MoE models (default: every expert cached, LRU)."""
+                 placement: EnginePlacement | None = None, experts=None, kv_mode: str | None = None,
+                 yarn: float | None = None):
+        """experts: an ExpertSettings for MoE models (default: every expert cached, LRU).
+        kv_mode: the KV caches' mode (runtime/engine/kv_modes.py; default bf16).
+        yarn: a YaRN factor for the global-attention layers' rope (None: the model's own rope)."""
         self.artifact = artifact
         self.device, self.dtype, self.context = torch.device(device), dtype, context
         self.host = torch.device("cpu")
@@ -156,8 +136,10 @@ class GemmaModel:
                 ring = layer.kind == SLIDING and 0 < spec.window < context
                 slots = spec.window if ring else context
                 home = self.host if self.where[layer.index] == HOST else self.device
-                self.caches[layer.index] = KVCache(slots, layer.kv_heads, layer.head_dim, ring, dtype, home)
-        tables = rope_tables(artifact.config, context, dtype)
+                self.caches[layer.index] = make_cache(kv_mode, slots, layer.kv_heads, layer.head_dim, ring, dtype, home,
+                                                      seed=layer.index)
+        self.kv_mode = kv_mode or "bf16"
+        tables = rope_tables(artifact.config, context, dtype, yarn=yarn)
         self.devices = [self.device] + ([self.host] if HOST in self.where and self.host != self.device else [])
         self.rope = {dev: {kind: (cos.to(dev), sin.to(dev)) for kind, (cos, sin) in tables.items()}
                      for dev in self.devices}
@@ -272,19 +254,20 @@ class GemmaModel:
         projected = rms_norm(projected, self.ple_norm, self.spec.eps)
         return x, (projected + token_part) * 2.0 ** -0.5
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, end: int | None = None) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, end: int | None = None,
+             all_logits: bool = False) -> torch.Tensor:
         """Run tokens [T] at positions [T] (consecutive, continuing the cache); returns the last
         token's logits [V] in float32.
 
         end: the last position + 1 when the caller knows it on the host. Attention then reads only
         the slots written so far; without it (a captured graph, whose shapes cannot change) every
-        slot is read and the unwritten ones masked.
+        slot is read and the unwritten ones masked. all_logits: every token's logits [T, V] instead.
         """
         x, per_layer_inputs = self.embed_tokens(tokens)
-        return self.forward(x, per_layer_inputs, positions, end)
+        return self.forward(x, per_layer_inputs, positions, end, all_logits)
 
     def forward(self, x: torch.Tensor, per_layer_inputs: torch.Tensor | None, positions: torch.Tensor,
-                end: int | None = None) -> torch.Tensor:
+                end: int | None = None, all_logits: bool = False) -> torch.Tensor:
         spec = self.spec
         # Positions, rope rows and per-layer inputs on each device a layer runs on.
         here = {}
@@ -322,8 +305,9 @@ class GemmaModel:
                 x = x * layer.layer_scalar
             if where == STREAMED:
                 self.streamer.release(s.index)
-        x = rms_norm(x[-1:].to(self.device), self.final_norm, spec.eps)  # [1, H]: only the last token's logits
-        logits = self.head(x)[0]  # [V]
+        x = rms_norm((x if all_logits else x[-1:]).to(self.device), self.final_norm, spec.eps)  # [1, H]: the last token's
+        logits = self.head(x)  # [1 or T, V]
+        logits = logits if all_logits else logits[0]
         if spec.final_softcap:
             logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
         return logits.float()
@@ -341,25 +325,35 @@ class GemmaModel:
             k = rotate(rms_norm(k, a.k_norm, eps), cos, sin)
             if a.v_norm:
                 v = rms_norm(v, None, eps)
+            if end is not None and end == t:  # a sequence's first chunk (positions from 0)
+                cache.begin(k, v)
             if cache.ring and t > 1:
                 # A chunk attends to the ring as it was (the window before it) and to itself, then
                 # is written: writing first could overwrite keys its first tokens still need.
                 held = cache.slots if end is None else min(cache.slots, end - t)  # slots written before
-                keys = (torch.cat((cache.k[:held], k)), torch.cat((cache.v[:held], v)),
-                        torch.cat((cache.pos[:held], positions)))
+                old_k, old_v = cache.read(held)
+                new_k, new_v = cache.space(k, v)  # as the cache will give them back
+                keys = (torch.cat((old_k, new_k)), torch.cat((old_v, new_v)), torch.cat((cache.pos[:held], positions)))
                 cache.write(k, v, positions)
-                return self._scores(layer, q, *keys, positions)
+                return self._scores(layer, q, *keys, positions, cache.rotation, cache.value_offset)
             cache.write(k, v, positions)
         held = cache.slots if end is None else min(cache.slots, end)  # a ring fills slots 0.. first
-        k, v, key_positions = cache.k[:held], cache.v[:held], cache.pos[:held]
+        (k, v), key_positions = cache.read(held), cache.pos[:held]
+        rotation, offset = cache.rotation, cache.value_offset
         if k.device != q.device:
             k, v, key_positions = k.to(q.device), v.to(q.device), key_positions.to(q.device)
-        return self._scores(layer, q, k, v, key_positions, positions)
+            rotation = rotation.to(q.device) if rotation is not None else None
+            offset = offset.to(q.device) if offset is not None else None
+        return self._scores(layer, q, k, v, key_positions, positions, rotation, offset)
 
-    def _scores(self, layer: Layer, q, k, v, key_positions, positions) -> torch.Tensor:
-        """softmax(q kᵀ · scale + mask) v for q [T, N, D] over k, v [S, K, D]; returns [T, N·D] projected."""
+    def _scores(self, layer: Layer, q, k, v, key_positions, positions, rotation=None, offset=None) -> torch.Tensor:
+        """softmax(q kᵀ · scale + mask) v for q [T, N, D] over k, v [S, K, D]; returns [T, N·D] projected.
+        rotation: R when the cache holds keys and values turned by it (kv.py): q is turned the same
+        way, and the output turned back. offset [K, D]: the values' centre, added back."""
         s, spec = layer.spec, self.spec
         t, groups = q.shape[0], s.heads // s.kv_heads
+        if rotation is not None:
+            q = q @ rotation
         qg = q.view(t, s.kv_heads, groups, s.head_dim)  # [T, K, g, D]
         scores = torch.einsum("tkgd,skd->tkgs", qg, k) * spec.query_scale  # [T, K, g, S]
         if spec.attn_softcap:
@@ -370,8 +364,12 @@ class GemmaModel:
             seen &= key_positions[None, :] > positions[:, None] - spec.window
         scores = scores.masked_fill(~seen[:, None, None, :], torch.finfo(scores.dtype).min)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.einsum("tkgs,skd->tkgd", weights, v).reshape(t, s.heads * s.head_dim)  # [T, N·D]
-        return layer.attn.o(out)
+        out = torch.einsum("tkgs,skd->tkgd", weights, v)  # [T, K, g, D]
+        if offset is not None:
+            out = out + offset[None, :, None, :]
+        if rotation is not None:
+            out = out @ rotation.T
+        return layer.attn.o(out.reshape(t, s.heads * s.head_dim))  # [T, N·D] projected
 
     def memory(self) -> dict:
         """Bytes by place: weights on the device and in host memory, the staging areas, KV caches,
@@ -396,7 +394,7 @@ class GemmaModel:
         where["device"] += self.head.nbytes() + (self.ple_projection.nbytes() if self.spec.ple_dim else 0)
         kv = {"device": 0, "host": 0}
         for index, cache in self.caches.items():
-            kv["host" if cache.k.device.type == "cpu" and self.device.type != "cpu" else "device"] += size(cache.k) + size(cache.v)
+            kv["host" if cache.device.type == "cpu" and self.device.type != "cpu" else "device"] += cache.nbytes()
         crossings = sum(1 for a, b in zip((RESIDENT,) + self.where, self.where + (RESIDENT,))
                         if (a == HOST) != (b == HOST))
         link = streamed + (row_bytes if self.placement.tables_on_host else 0) + crossings * self.spec.hidden * 2

@@ -119,16 +119,38 @@ def model_spec(config: dict, shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
     )
 
 
-def rope_tables(config: dict, length: int, dtype, device="cpu") -> dict:
+def yarn_config(config: dict, factor: float) -> dict:
+    """The config with YaRN rope scaling by factor on the global-attention layers (their original
+    context: the model's max_position_embeddings), as transformers' "yarn" rope type defines it."""
+    from gemmactl.errors import InvalidOptionError
+
+    if not factor or factor < 1:
+        raise InvalidOptionError(f"a YaRN factor must be at least 1, got {factor}", hint="Give e.g. --yarn 4.")
+    hf = hf_text_config(config)
+    if FULL not in hf.layer_types:
+        raise UnsupportedModelError("a YaRN factor scales the rope of the global-attention layers, and this model has none",
+                                    hint="Drop the YaRN factor: its sliding layers never see past their window.")
+    params = {kind: dict(values) for kind, values in hf.rope_parameters.items()}
+    full = params[FULL]
+    if full.get("rope_type", "default") not in ("default", "yarn"):
+        raise UnsupportedModelError(
+            f"YaRN on the {full['rope_type']!r} rope of this model's global layers is not supported yet",
+            hint="YaRN applies to global layers with the default rope (Gemma 3); run without the factor.")
+    params[FULL] = {"rope_type": "yarn", "factor": float(factor), "rope_theta": full["rope_theta"],
+                    "original_max_position_embeddings": int(hf.max_position_embeddings)}
+    return {**config, "rope_parameters": params, "max_position_embeddings": int(hf.max_position_embeddings * factor)}
+
+
+def rope_tables(config: dict, length: int, dtype, device="cpu", yarn: float | None = None) -> dict:
     """cos and sin per layer kind for positions 0..length-1: {kind: (cos [length, D], sin [length, D])}.
 
     Made by transformers' own rotary module for the model, so every rope variant it knows (default,
     Gemma 4's proportional partial rope, linear or YaRN scaling) comes out as it computes it,
-    rounded to the compute dtype as it rounds it.
+    rounded to the compute dtype as it rounds it. yarn: a factor for yarn_config.
     """
     import torch
 
-    hf = hf_text_config(config)
+    hf = hf_text_config(yarn_config(config, yarn) if yarn else config)
     if FAMILIES[hf.model_type] == "gemma4":
         from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding as Rotary
     else:

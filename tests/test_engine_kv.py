@@ -1,0 +1,159 @@
+"""The engine's KV cache modes (runtime/engine/kv.py) and YaRN on its global layers.
+
+The quantizers are checked against what they promise (the Lloyd-Max distortion of a Gaussian,
+int8's half step, lossless packing), the rotated read against plain attention, and the modes in
+the engine on tiny random models: prefill whole or in chunks gives the same tokens, and the
+distance from the bf16 cache grows as the bits shrink. YaRN is checked against transformers'
+own YaRN on a tiny Gemma 3.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from gemmactl.runtime.engine.kv import TurboKVCache, make_cache
+from gemmactl.runtime.engine.kv_modes import ENGINE_MODES, compression, vector_bytes
+from test_engine import PROMPT, TOLERANCE, artifacts, engine_greedy, reference_greedy  # noqa: F401 (fixture)
+
+
+@pytest.mark.parametrize("mode,distortion", [("tq4", 0.009497), ("tq3", 0.03454)])
+def test_turbo_modes_reach_the_lloyd_max_distortion_of_a_gaussian(mode, distortion):
+    """After the rotation, coordinates of any vector are near-Gaussian: the relative error is the
+    quantizer's distortion for a unit Gaussian (Max 1960: 0.009497 at 4 bits, 0.03454 at 3)."""
+    torch.manual_seed(0)
+    cache = make_cache(mode, 512, 2, 256, False, torch.float32, "cpu")
+    x = torch.randn(512, 2, 256) * torch.linspace(0.1, 10, 512).view(-1, 1, 1)  # any scale
+    x[:, :, :8] += 5  # and not centred
+    cache.write(x, x, torch.arange(512))
+    k, _ = cache.read(512)
+    turned = x @ cache.rotation
+    error = ((k - turned).pow(2).sum(-1) / turned.pow(2).sum(-1)).mean()
+    assert abs(float(error) - distortion) < 0.15 * distortion
+
+
+def test_int8_errs_by_at_most_half_a_step_and_packing_is_lossless():
+    torch.manual_seed(0)
+    cache = make_cache("int8", 64, 2, 32, False, torch.float32, "cpu")
+    x = torch.randn(64, 2, 32)
+    cache.write(x, x, torch.arange(64))
+    k, v = cache.read(64)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    fp16_scale = x.abs() * 2.0**-11  # the scale is kept in fp16
+    assert ((k - x).abs() <= step / 2 + fp16_scale + 1e-6).all() and torch.equal(k, v)
+    for bits in (3, 4):
+        turbo = TurboKVCache(4, 1, 64, False, torch.float32, "cpu", bits=bits)
+        codes = torch.randint(0, 1 << bits, (5, 3, 64), dtype=torch.uint8)
+        assert torch.equal(turbo._unpack(turbo._pack(codes)), codes)
+
+
+def test_each_mode_stores_what_its_size_rule_says():
+    for mode in ENGINE_MODES:
+        cache = make_cache(mode, 100, 2, 256, False, torch.bfloat16, "cpu")
+        assert cache.nbytes() == 2 * 100 * 2 * vector_bytes(mode, 256)
+    assert compression("tq4", 256) >= 3.5 and compression("tq3", 256) > compression("tq4", 256)
+
+
+def test_reading_turned_vectors_gives_plain_attention():
+    """softmax((qR)(kR)ᵀ)(vR)Rᵀ = softmax(qkᵀ)v for the orthogonal R the turbo caches use: what
+    the engine's attention does with a rotated cache."""
+    torch.manual_seed(0)
+    rotation = TurboKVCache(1, 1, 64, False, torch.float64, "cpu", bits=4).rotation_f32.double()
+    q, k, v = torch.randn(3, 64).double(), torch.randn(10, 64).double(), torch.randn(10, 64).double()
+    plain = torch.softmax(q @ k.T, -1) @ v
+    turned = torch.softmax((q @ rotation) @ (k @ rotation).T, -1) @ (v @ rotation) @ rotation.T
+    assert torch.allclose(plain, turned, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["gemma3-tiny", "shared-kv"])
+def test_modes_in_the_engine_chunked_or_not_and_their_distance_from_bf16(artifacts, kind, monkeypatch):
+    """Prefill whole or in chunks across the sliding window: the same greedy tokens in every mode
+    (a chunk sees its own keys as the cache gives them back; the centres come from the first
+    chunk, here 17 tokens either way). Teacher-forced against the bf16 cache, the KL divergence
+    grows as the bits shrink."""
+    from gemmactl.runtime.engine import kv
+    from gemmactl.runtime.engine.model import GemmaModel
+
+    monkeypatch.setattr(kv, "CENTRE_TOKENS", 16)
+
+    artifact = artifacts(kind)
+    prompt = (PROMPT * 5)[:37]  # longer than the window (16)
+    logits = {}
+    for mode in ENGINE_MODES:
+        engine = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64, kv_mode=mode)
+        assert {cache.mode for cache in engine.caches.values()} == {mode}
+        whole = engine_greedy(engine, prompt, 12)
+        chunked = engine_greedy(engine, prompt, 12, chunk=17)
+        assert chunked[0] == whole[0], mode
+        # A chunk's sums run in another order, which can move a value across a quantization step.
+        tolerance = TOLERANCE if mode == "bf16" else 10 * TOLERANCE
+        assert (chunked[1] - whole[1]).abs().max() <= tolerance * whole[1].abs().max(), mode
+        engine.reset()
+        with torch.inference_mode():
+            logits[mode] = torch.log_softmax(engine.step(torch.tensor(prompt), torch.arange(len(prompt)), len(prompt),
+                                                         all_logits=True), -1)
+    kld = {mode: float((logits["bf16"].exp() * (logits["bf16"] - logits[mode])).sum(-1).mean())
+           for mode in ("int8", "tq4", "tq3")}
+    assert 0 < kld["int8"] < kld["tq4"] < kld["tq3"], kld
+
+
+def test_yarn_equals_transformers_yarn_on_a_tiny_gemma3(artifacts):
+    """The engine with a YaRN factor on its global layers gives the logits and greedy tokens of
+    transformers' Gemma 3 configured with the same YaRN rope, past the original context."""
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.engine.spec import yarn_config
+    from gemmactl.runtime.int4_model import build_model
+
+    artifact = artifacts("gemma3-tiny")
+    scaled = copy.copy(artifact)
+    scaled.index = {**artifact.index, "config": yarn_config(artifact.config, 4.0)}
+    assert scaled.config["rope_parameters"]["full_attention"]["rope_type"] == "yarn"
+    reference = build_model(scaled, torch.float32)
+    expected, expected_logits = reference_greedy(reference, PROMPT, 16)
+    engine = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64, yarn=4.0)
+    tokens, logits = engine_greedy(engine, PROMPT, 16)
+    assert (logits - expected_logits).abs().max() <= TOLERANCE * expected_logits.abs().max()
+    assert tokens == expected
+    plain = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64)
+    assert not torch.equal(engine_greedy(plain, PROMPT, 1)[1], logits)  # the factor changed something
+
+
+def test_yarn_where_it_cannot_apply_says_why(artifacts):
+    from gemmactl.errors import GemmactlError
+    from gemmactl.runtime.engine.spec import yarn_config
+
+    config = dict(artifacts("gemma3-tiny").config)
+    only_sliding = {**config, "layer_types": ["sliding_attention"] * int(config["num_hidden_layers"])}
+    with pytest.raises(GemmactlError, match="global-attention layers, and this model has none"):
+        yarn_config(only_sliding, 4.0)
+    with pytest.raises(GemmactlError, match="at least 1"):
+        yarn_config(config, 0.5)
+    with pytest.raises(GemmactlError, match="'proportional' rope"):
+        yarn_config(artifacts("dense-ple").config, 4.0)  # Gemma 4's global layers
+
+
+def test_run_takes_the_kv_cache_mode_on_both_backends(tiny_checkpoint, tmp_path, runner, isolated_home):
+    """The engine runs in the mode asked (and says so in --json); the embedded GGUF runs on
+    llama.cpp with a q8_0 cache; a mode of the other backend, or YaRN on llama.cpp, is one line."""
+    import json
+
+    from conftest import invoke, run_gemmactl
+    from gemmactl.formats.int4.layout import QuantizeOptions
+    from gemmactl.formats.int4.quantize import quantize_checkpoint
+
+    folder = tmp_path / "artifact"
+    quantize_checkpoint(tiny_checkpoint("dense-ple"), folder, QuantizeOptions(group_size=32, shard_size=1 << 30))
+    proc = run_gemmactl(["run", "--model", str(folder), "--raw", "--json", "--temperature", "0", "--max-tokens", "4",
+                         "--kv-cache", "tq4", "Hello"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["model"]["engine"]["kv_cache"] == "tq4"
+    result = invoke(runner, ["run", "--raw", "--temperature", "0", "--max-tokens", "6", "--kv-cache", "q8_0",
+                             "The capital of France is"])
+    assert result.exit_code == 0 and result.output.strip(), result.output
+    for args, message in ((["--kv-cache", "tq4"], "not a KV cache mode of llama.cpp"),
+                          (["--yarn", "4"], "YaRN factor is applied by the int4 engine"),
+                          (["--model", str(folder), "--kv-cache", "q4_0"], "not a KV cache mode of the int4 engine")):
+        result = invoke(runner, ["run", *args, "hello"])
+        assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output, result.output
