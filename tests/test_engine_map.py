@@ -22,14 +22,19 @@ CONTEXT = 256
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
+def _quantized(tmp_path_factory, kind: str):
+    """A tiny random Gemma 4 of kind as an int4-stream artifact."""
     from helpers.random_gemma import build_random_gemma
 
-    folder = tmp_path_factory.mktemp("engine-map")
-    source = build_random_gemma("e2b-tiny", folder / "checkpoint")
+    folder = tmp_path_factory.mktemp(f"engine-map-{kind}")
+    source = build_random_gemma(kind, folder / "checkpoint")
     quantize_checkpoint(source, folder / "artifact", QuantizeOptions(group_size=32, shard_size=1 << 30))
     return folder / "artifact"
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return _quantized(tmp_path_factory, "e2b-tiny")
 
 
 def whole(artifact):
@@ -140,12 +145,7 @@ def test_plan_backend_int4_on_a_checkpoint_says_to_quantize_first(tiny_gemma4, r
 
 @pytest.fixture(scope="module")
 def moe_artifact(tmp_path_factory):
-    from helpers.random_gemma import build_random_gemma
-
-    folder = tmp_path_factory.mktemp("engine-map-moe")
-    source = build_random_gemma("moe", folder / "checkpoint")
-    quantize_checkpoint(source, folder / "artifact", QuantizeOptions(group_size=32, shard_size=1 << 30))
-    return folder / "artifact"
+    return _quantized(tmp_path_factory, "moe")
 
 
 def test_moe_experts_get_the_room_the_layers_leave(moe_artifact, runner):
