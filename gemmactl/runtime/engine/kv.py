@@ -98,11 +98,15 @@ class CenteredKVCache(KVCache):
         self.scales = {name: torch.zeros(*shape, dtype=torch.float16, device=device) for name in "kv"}
         self.centres = {name: torch.zeros(self.kv_heads, self.head_dim, dtype=torch.float32, device=device)
                         for name in "kv"}
+        # The values' centre in the space read gives (turned by the rotation, if any), in the
+        # compute dtype: made once per sequence in begin(), not on every attention read.
+        self.value_offset = torch.zeros(self.kv_heads, self.head_dim, dtype=self.dtype, device=device)
 
     def reset(self) -> None:
         super().reset()
         for centre in self.centres.values():
             centre.zero_()
+        self.value_offset.zero_()
 
     def begin(self, k, v) -> None:
         for name, x in (("k", k), ("v", v)):
@@ -110,11 +114,7 @@ class CenteredKVCache(KVCache):
                 self.centres[name].zero_()
             else:
                 self.centres[name].copy_(x[1:1 + CENTRE_TOKENS].float().mean(0))
-
-    @property
-    def value_offset(self):
-        """[K, D] in the space read gives (turned by the rotation, if any), in the compute dtype."""
-        return self._turn(self.centres["v"]).to(self.dtype)
+        self.value_offset.copy_(self._turn(self.centres["v"]))  # in place: a captured step reads this buffer
 
     def _turn(self, x):
         return x
