@@ -224,6 +224,85 @@ def test_gpu_tinygemm_layout_decodes_the_int4_stream_weights(group_size):
     assert (y - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
+def _int8_rows(rows=300, cols=256, device="cpu"):
+    from gemmactl.formats.int4.quant import dequantize_int8_rows, quantize_int8_rows
+
+    torch.manual_seed(0)
+    q, scales = quantize_int8_rows(torch.randn(rows, cols))
+    return q.to(device), scales.to(device), dequantize_int8_rows(q, scales).to(device)
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_int8_rows_in_blocks_equal_the_dequantized_product(tokens, monkeypatch):
+    """The block path (prefill, eager steps) dequantizes a few rows at a time; the product is the
+    whole dequantized matrix's, whatever the block size."""
+    from gemmactl.runtime.engine import kernels
+
+    monkeypatch.setattr(kernels, "INT8_BLOCK_VALUES", 256 * 64)  # 64 rows a block: 5 blocks, the last short
+    q, scales, dense = _int8_rows()
+    x = torch.randn(tokens, 256)
+    y = kernels.Int8Linear(q, scales)(x)
+    assert y.shape == (tokens, 300)
+    assert torch.allclose(y, x @ dense.t(), rtol=1e-5, atol=1e-5)
+
+
+_INTERPRETED_GEMV = """
+import torch, triton
+from gemmactl.formats.int4.quant import dequantize_int8_rows, quantize_int8_rows
+from gemmactl.runtime.engine import int8_gemv
+
+torch.manual_seed(0)
+q, scales = quantize_int8_rows(torch.randn(300, 1100))
+dense = dequantize_int8_rows(q, scales)
+x = torch.randn(1100)
+int8_gemv._sms = lambda device: sms
+seen = set()
+for sms in (1, 2, 4, 8, 16, 40, 80):
+    seen.add(int8_gemv.split(300, 1100, sms))
+    y = int8_gemv.int8_rows_gemv(x, q, scales)
+    err = (y - dense @ x).abs().max().item()
+    assert err <= 1e-4 * (dense @ x).abs().max().item(), (sms, err)
+print(len(seen))
+"""
+
+
+def test_int8_rows_gemv_kernel_equals_the_dequantized_product():
+    """The Triton GEMV run by Triton's interpreter on the CPU (a process of its own: the interpreter
+    is chosen when Triton is imported), with K split as GPUs of several sizes split it, on a matrix
+    whose rows and columns are no multiple of the tile."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_GEMV], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout) >= 3  # several splits were tried
+
+
+@gpu
+def test_gpu_int8_rows_keep_their_bytes_and_match_the_dequantized_product():
+    """One token through the Triton kernel, eager and inside a compiled, captured step; several
+    tokens through the block path: all equal the dequantized product up to bfloat16 rounding."""
+    from gemmactl.runtime.engine.kernels import Int8Linear, linear_bytes
+
+    q, scales, dense = _int8_rows(4096, 1536, "cuda")
+    linear = Int8Linear(q, scales)
+    assert linear.nbytes() == linear_bytes("int8", (4096, 1536), None, cuda=True)
+    x = torch.randn(3, 1536, device="cuda", dtype=torch.bfloat16)
+    expected = x.float() @ dense.t()
+    compiled = torch.compile(lambda v: linear(v), fullgraph=True, dynamic=False)
+    compiled(x[:1])
+    graph = torch.cuda.CUDAGraph()
+    static = x[:1].clone()
+    with torch.cuda.graph(graph):
+        captured = compiled(static)
+    graph.replay()
+    for y, want in ((linear(x[:1]), expected[:1]), (captured, expected[:1]), (linear(x), expected)):
+        assert (y.float() - want).abs().max() <= 0.02 * want.abs().max()
+
+
 def test_an_artifact_the_engine_cannot_run_is_named_with_what_it_runs():
     from gemmactl.errors import UnsupportedModelError
     from gemmactl.runtime.engine.spec import model_spec

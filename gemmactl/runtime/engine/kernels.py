@@ -4,10 +4,11 @@ On CUDA, int4 weights run in torch's built-in int4 weight-only matmul (`aten._we
 the "tinygemm" kernel that gpt-fast and torchao's int4 weight-only path use): a well-kept kernel
 that ships with torch, needs nothing compiled here, and fuses the dequantization into the
 product, so a decode step reads each weight once, packed. int8 rows (the head, and v_proj and
-down_proj under `--sensitive int8`) are dequantized once to bfloat16 and run in cuBLAS: torch's
-CUDA `_weight_int8pack_mm` is a one-thread-per-output loop over K: with it the E2B-shaped decode
-step ran 59 tok/s on the H200, with cuBLAS 338 (docs/benchmarks.md). Those bfloat16 products are a
-third of the step's GPU time; a fused int8 kernel (Triton) that reads half their bytes is still to come.
+down_proj under `--sensitive int8`) stay int8 on the device (`Int8Linear`): one token runs the
+Triton GEMV of runtime/engine/int8_gemv.py, which reads each code once (why not torch's own int8
+kernels is said there); several tokens dequantize a block of rows at a time into cuBLAS.
+`GEMMACTL_ENGINE_INT8=dense` keeps bfloat16 copies in cuBLAS instead (twice the bytes; for
+measurements and machines without Triton).
 The repacked layout is kept beside the artifact (`engine-cache/`), so a second load skips the
 repack. On the CPU every weight is dequantized once into a dense matrix in the compute dtype and
 multiplied by `F.linear`: its numbers are exactly the dense reference's. torch's CPU int4 kernel
@@ -24,6 +25,8 @@ from __future__ import annotations
 import os
 
 KERNEL_ENV = "GEMMACTL_ENGINE_KERNEL"  # auto | dense: force dense weights (for measurements)
+INT8_ENV = "GEMMACTL_ENGINE_INT8"  # rows (default) | dense: int8 rows kept as int8, or as bfloat16 copies
+INT8_BLOCK_VALUES = 1 << 22  # values Int8Linear's block path dequantizes at once (about 24 MB of temporaries)
 INNER_K_TILES = 8
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 
@@ -81,6 +84,54 @@ class Int4Linear(Linear):
                           self.in_features)
 
 
+class Int8Linear(Linear):
+    """Row-wise symmetric int8: w = q · scale, q int8 [out, in] and scale [out] as stored (float16)."""
+
+    kernel = "int8-rows"
+
+    def __init__(self, qweight, scales):
+        self.qweight, self.scales = qweight, scales
+        self.out_features, self.in_features = qweight.shape
+
+    def __call__(self, x):
+        from gemmactl.runtime.engine.int8_gemv import int8_rows_gemv
+
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # [T, in]
+        if flat.shape[0] == 1 and flat.is_cuda:
+            y = int8_rows_gemv(flat.reshape(-1), self.qweight, self.scales)  # [out]
+        else:
+            y = self._blocks(flat)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _blocks(self, flat):
+        """cuBLAS on a block of rows at a time, dequantized to the input's dtype (bounded temporaries)."""
+        import torch
+        import torch.nn.functional as F
+
+        out = torch.empty((flat.shape[0], self.out_features), dtype=flat.dtype, device=flat.device)
+        step = max(1, INT8_BLOCK_VALUES // max(self.in_features, 1))
+        for start in range(0, self.out_features, step):
+            rows = slice(start, start + step)
+            weight = (self.qweight[rows].float() * self.scales[rows].float().unsqueeze(1)).to(flat.dtype)
+            out[:, rows] = F.linear(flat, weight)
+        return out
+
+    def tensors(self) -> dict:
+        return {"qweight": self.qweight, "scales": self.scales}
+
+    def with_tensors(self, tensors: dict) -> "Int8Linear":
+        return Int8Linear(tensors["qweight"], tensors["scales"])
+
+
+def int8_rows_kept() -> bool:
+    """Whether CUDA keeps int8 rows as int8 (Int8Linear) rather than as bfloat16 copies: by
+    default where Triton is there for the one-token kernel."""
+    from gemmactl.runtime.engine.int8_gemv import available
+
+    return os.environ.get(INT8_ENV, "rows").lower() != "dense" and available("cuda")
+
+
 def tinygemm_fits(record) -> bool:
     return _tinygemm_fits(tuple(record.shape), record.group_size)
 
@@ -94,10 +145,13 @@ def _tinygemm_fits(shape: tuple, group_size: int | None) -> bool:
 def linear_bytes(scheme: str, shape: tuple, group_size: int | None, *, cuda: bool, dtype_bytes: int = 2) -> int:
     """Bytes make_linear allocates for a stored matrix (the planner's rule and the engine's, one place):
     int4 in tinygemm's layout on CUDA (codes at half a byte, bfloat16 scale and zero′ per group),
-    everything else dense in the compute dtype."""
+    int8 rows as stored on CUDA (a byte a value, a float16 scale a row), everything else dense in
+    the compute dtype."""
     out_features, in_features = shape
     if cuda and scheme == "int4" and _tinygemm_fits((out_features, in_features), group_size):
         return out_features * in_features // 2 + (in_features // group_size) * out_features * 2 * 2
+    if cuda and scheme == "int8" and int8_rows_kept():
+        return out_features * in_features + out_features * 2
     return out_features * in_features * dtype_bytes
 
 
@@ -116,6 +170,9 @@ def make_linear(artifact, record, device, dtype, cache=None) -> Linear:
             if cache is not None:
                 cache.put(record, packed, sz)
             return Int4Linear(packed.to(device), sz.to(device), record.group_size, *record.shape)
+        if record.scheme == "int8" and int8_rows_kept():
+            parts = artifact.packed(record, device).parts
+            return Int8Linear(parts["qweight"].contiguous(), parts["scales"].contiguous())
     return Linear(artifact.decode(record, device, dtype).contiguous())
 
 
