@@ -126,6 +126,7 @@ def open_backend(
     experts=None,
     kv_cache: str | None = None,
     yarn: float | None = None,
+    draft=None,
 ) -> Backend:
     """Load the model on the backend its format needs.
 
@@ -137,7 +138,8 @@ def open_backend(
     rpc: RPC workers (HOST:PORT[=SIZE]) that take a share of a GGUF's layers (plan/rpc_split.py).
     experts: an ExpertSettings for MoE models on the engine (expert_settings_for builds it).
     kv_cache: the KV cache mode (runtime/engine/kv_modes.py: the engine's modes, or llama.cpp's
-    cache types). yarn: a YaRN factor for the engine's global layers.
+    cache types). yarn: a YaRN factor for the engine's global layers. draft: a DraftSettings
+    (draft_settings_for) for the engine's speculative decoding.
     """
     from gemmactl.runtime.engine.kv_modes import check_mode
 
@@ -148,6 +150,10 @@ def open_backend(
                                  hint="Drop --expert-cache/--expert-policy (GGUF tiers keep experts on the CPU with "
                                       "the plan's -ot), or give the tier an int4-stream artifact.")
     check_mode(kv_cache, kind)
+    if draft is not None and kind != "int4":
+        raise InvalidOptionError("--draft speculates on the int4 engine, and this model runs on llama.cpp",
+                                 hint="Drop --draft; a GGUF tier speculates in `gemmactl serve` with the recipe's "
+                                      "speculative: draft_model.")
     if yarn and kind != "int4":
         raise InvalidOptionError("a YaRN factor is applied by the int4 engine, and this model runs on llama.cpp",
                                  hint="Drop --yarn (or the tier's yarn:), or give the tier an int4-stream artifact.")
@@ -180,6 +186,8 @@ def open_backend(
         if experts is not None:
             options["experts"] = experts
         options.update(kv_mode=kv_cache, yarn=yarn)
+        if draft is not None:
+            options["draft"] = draft
     return backend_class(kind)(str(model.path), **options)
 
 
@@ -191,6 +199,33 @@ def llama_kv_args(mode: str) -> dict:
     attention, which llama.cpp needs to keep V quantized."""
     kind = LLAMA_KV_TYPES[mode]
     return {"type_k": kind, "type_v": kind, "flash_attn": mode != "f16"}
+
+
+def draft_settings_for(tier, store: Store, draft: str | None = None, draft_max: int | None = None,
+                       tune: bool | None = None):
+    """The engine's draft a run asks for: --draft REF (an int4-stream artifact of the same
+    vocabulary), --draft-max N and --no-draft-tune over the tier's `speculative:` (kind draft,
+    enabled, on an int4 tier). None: no speculation."""
+    from gemmactl.runtime.engine.draft import DEFAULT_DRAFT_MAX, DraftSettings
+
+    spec = tier.speculative if tier.speculative is not None and tier.speculative.enabled else None
+    ref = draft or (spec.draft_model if spec is not None and spec.kind == "draft" and tier.backend == "int4" else None)
+    if ref is None:
+        if draft_max is not None or tune is not None:
+            raise InvalidOptionError("--draft-max and --no-draft-tune need a draft model",
+                                     hint="Add --draft MODEL (an int4-stream artifact of the same vocabulary).")
+        return None
+    k_max = draft_max or (spec.draft_max if spec is not None and draft is None else DEFAULT_DRAFT_MAX)
+    tune = True if tune is None else tune
+    try:
+        resolved = resolve_model(ref, store, accept=(INT4_STREAM,),
+                                 missing_hint="A draft is an int4-stream artifact: `gemmactl quantize MODEL --int4-stream`.")
+    except GemmactlError as exc:
+        if draft is not None and not Path(ref).exists():
+            raise  # a draft named on the command line that is not there: the user's to fix
+        # There but unreadable (or the recipe's): the tier runs without speculation, and says so.
+        return DraftSettings(ref, k_max=k_max, tune=tune, problem=exc.message)
+    return DraftSettings(str(resolved.path), k_max=k_max, tune=tune)
 
 
 def expert_settings_for(tier, cache: str | None = None, policy: str | None = None, prefetch: bool | None = None):

@@ -30,9 +30,12 @@ from gemmactl.sizes import format_size
 @click.option("--expert-prefetch/--no-expert-prefetch", "expert_prefetch", default=None, help="Copy in the next MoE layer's likely experts ahead of it (default: the tier's, else off).")
 @click.option("--kv-cache", "kv_cache", metavar="MODE", help="KV cache mode: bf16, int8, tq4 or tq3 on the int4 engine; f16, q8_0 or q4_0 on llama.cpp (default: the tier's).")
 @click.option("--yarn", "yarn", type=click.FloatRange(min=1, max=64), metavar="FACTOR", help="YaRN rope scaling of the global layers by FACTOR (int4 engine; default: the tier's).")
+@click.option("--draft", "draft", metavar="MODEL", shell_complete=complete.models, help="Speculative decoding on the int4 engine with this draft (an int4-stream artifact of the same vocabulary; default: the tier's speculative draft_model).")
+@click.option("--draft-max", "draft_max", type=click.IntRange(min=1, max=16), metavar="N", help="Most tokens the draft proposes per round (default: the tier's, else 4).")
+@click.option("--draft-tune/--no-draft-tune", "draft_tune", default=None, help="Let the tuner choose the draft length and turn speculation off when it loses (default), or always draft --draft-max.")
 @click.option("--json", "json_mode", is_flag=True, help="Print one JSON object: answer, thinking, route and stats.")
 def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show_thinking, raw, stats, rpc, expert_cache,
-        expert_policy, expert_prefetch, kv_cache, yarn, json_mode):
+        expert_policy, expert_prefetch, kv_cache, yarn, draft, draft_max, draft_tune, json_mode):
     """Answer a prompt with a local model, routed to a tier.
 
     The answer streams to stdout as it is generated. The PROMPT comes from the arguments, or
@@ -45,7 +48,8 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
       gemmactl run "quick: What is the capital of France?"
       echo "deep: prove that sqrt(2) is irrational" | gemmactl run --stats
     """
-    from gemmactl.generate import expert_settings_for, open_backend, plan_run, resolve_run_model, stream_generate
+    from gemmactl.generate import (draft_settings_for, expert_settings_for, open_backend, plan_run, resolve_run_model,
+                                   stream_generate)
     from gemmactl.recipes import resolve_recipe
     from gemmactl.runtime.base import GenerationStats
     from gemmactl.store import Store
@@ -67,9 +71,10 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
     with byte_progress("assembling the embedded model", progress_enabled(json_mode)) as progress:
         resolved = resolve_run_model(spec, store, progress=progress)
     experts = expert_settings_for(spec.tier, expert_cache, expert_policy, expert_prefetch)
+    speculation = draft_settings_for(spec.tier, store, draft, draft_max, draft_tune)
     backend = open_backend(resolved, context=spec.tier.context, store=store, vram=spec.tier.vram,
                            rpc=workers or spec.tier.rpc, experts=experts, kv_cache=kv_cache or spec.tier.kv_cache,
-                           yarn=yarn or spec.tier.yarn)
+                           yarn=yarn or spec.tier.yarn, draft=speculation)
     if not json_mode:
         for notice in backend.notices:
             warn(notice)
@@ -170,6 +175,14 @@ def _engine_text(d: dict) -> str:
         text += f", {format_size(d['weights_host_bytes'])} in host memory"
     if d.get("link_bytes_per_token"):
         text += f"; {format_size(d['link_bytes_per_token'])} over the link per token"
+    if d.get("speculation"):
+        p = d["speculation"]
+        acceptance = "-" if p["acceptance"] is None else f"{p['acceptance']:.0%}"
+        verdict = "on" if p["speculating"] else "off (plain decoding is faster)"
+        text += (f"\nspeculation: draft {p['draft']}, {p['mode']} k≤{p['k_max']}, {verdict}; {p['rounds']} rounds, "
+                 f"{p['kept']}/{p['drafted']} drafts kept ({acceptance}), {p['plain_steps']} plain steps")
+        if p.get("predicted_speedup"):
+            text += f", predicted {p['predicted_speedup']:.2f}× plain"
     if d.get("experts"):
         e = d["experts"]
         rate = "-" if e["hit_rate"] is None else f"{e['hit_rate']:.0%}"

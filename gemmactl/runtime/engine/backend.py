@@ -54,7 +54,8 @@ class EngineBackend(HfTokenizerText):
 
     def __init__(self, model_path: str, *, context_size: int = 4096, n_threads: int | None = None,
                  device: str = "auto", dtype=None, placement=None, experts=None, kv_mode: str | None = None,
-                 yarn: float | None = None):
+                 yarn: float | None = None, draft=None):
+        """draft: a DraftSettings (runtime/engine/draft.py) for speculative decoding."""
         import torch
         from transformers import AutoTokenizer
 
@@ -77,7 +78,8 @@ class EngineBackend(HfTokenizerText):
             placement = placement if self.device.startswith("cuda") else None
             with torch.inference_mode():
                 self.model = GemmaModel(artifact, device=self.device, dtype=self.dtype, context=self.context_size,
-                                        placement=placement, experts=experts, kv_mode=kv_mode, yarn=yarn)
+                                        placement=placement, experts=experts, kv_mode=kv_mode, yarn=yarn,
+                                        spare_slots=draft.k_max if draft is not None else 0)
             self.decoder = DecodeStep(self.model, cache_dir=Path(artifact.path) / "engine-cache" / "inductor")
         except (OSError, ValueError, KeyError) as exc:
             raise BackendError(f"could not load {model_path}: {exc}", hint=DEBUG_HINT) from exc
@@ -90,15 +92,23 @@ class EngineBackend(HfTokenizerText):
         self.notices = []
         if placement is not None and not placement.resident_only:
             self.notices.append(f"{placement.reason or 'placed'}: {placement.summary()}")
+        self.speculator = None
+        if draft is not None:
+            from gemmactl.runtime.engine.draft import open_speculator
+
+            self.speculator = open_speculator(self, artifact, draft, self.notices)
 
     def describe(self) -> dict:
         """What the engine chose: device, dtype, kernels, placement, capture, memory."""
         kernels = sorted({lin.kernel for layer in self.model.layers for lin in layer.linears().values()})
+        spec = self.speculator
         return {"device": self.device, "dtype": str(self.dtype).removeprefix("torch."), "kernels": kernels,
                 "kv_cache": self.model.kv_mode,
                 "placement": self.model.placement.summary(), "cuda_graph": self.decoder.graph is not None,
                 "compiled": self.decoder.compiled, "setup_s": round(self.decoder.setup_s, 3), **self.model.memory(),
-                **({"experts": self.model.experts.stats()} if self.model.experts is not None else {})}
+                **({"experts": self.model.experts.stats()} if self.model.experts is not None else {}),
+                **({"speculation": {"draft": spec.draft_path, "k_max": spec.tuner.k_max, **spec.tuner.summary(),
+                                    **spec.stats.to_dict()}} if spec is not None else {})}
 
     # -- Backend protocol (model_text and tokenize: HfTokenizerText) -------------------------------
 
@@ -125,12 +135,15 @@ class EngineBackend(HfTokenizerText):
                 for begin in range(0, n, CHUNK):
                     stop = min(n, begin + CHUNK)
                     logits = model.step(tokens[begin:stop], torch.arange(begin, stop, device=device), stop)
+                if self.speculator is not None:  # the draft reads the prompt too (part of TTFT)
+                    self.speculator.prefill_draft(tokens, CHUNK)
                 token = pick(logits, recent, request, generator)
                 first = int(token)  # waits for prefill: its time is TTFT's
                 prefill_s = time.perf_counter() - start
                 decode_start, decoded = time.perf_counter(), 0
                 position = n
                 value = first
+                drafted = None  # the speculator's tokens, when there is a draft
                 while True:
                     if value in self.stop_ids:
                         break
@@ -138,6 +151,13 @@ class EngineBackend(HfTokenizerText):
                     decoded += 1
                     if position >= self.context_size or decoded >= request.max_tokens:
                         break
+                    if self.speculator is not None:
+                        if drafted is None:
+                            drafted = self.speculator.tokens(value, position, list(prompt.tokens) + [value], request,
+                                                             generator, self.decoder, self.context_size)
+                        value = next(drafted)
+                        position += 1
+                        continue
                     recent = torch.cat((recent[1:] if recent.numel() >= REPEAT_LAST_N else recent, token.reshape(1)))
                     logits = self.decoder(token, position)
                     token = pick(logits, recent, request, generator)
@@ -153,6 +173,7 @@ class EngineBackend(HfTokenizerText):
     def close(self) -> None:
         self.model = None
         self.decoder = None
+        self.speculator = None
 
     def _stop_ids(self, config: dict) -> set[int]:
         ids: set[int] = set()
@@ -174,7 +195,7 @@ def open_int4_backend(model_path: str, **options):
         from gemmactl.runtime.int4_backend import Int4Backend
 
         options.pop("placement", None)  # it places nothing: one device for the whole model
-        for engine_only in ("experts", "kv_mode", "yarn"):
+        for engine_only in ("experts", "kv_mode", "yarn", "draft"):
             options.pop(engine_only, None)
         return Int4Backend(model_path, **options)
     return EngineBackend(model_path, **options)

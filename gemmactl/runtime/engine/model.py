@@ -88,8 +88,10 @@ class GemmaModel:
 
     def __init__(self, artifact, *, device: str, dtype: torch.dtype, context: int,
                  placement: EnginePlacement | None = None, experts=None, kv_mode: str | None = None,
-                 yarn: float | None = None):
+                 yarn: float | None = None, spare_slots: int = 0):
         """experts: an ExpertSettings for MoE models (default: every expert cached, LRU).
+        spare_slots: ring slots beyond the window (speculation writes up to that many positions
+        ahead and rolls back: their keys must not overwrite ones the window still needs).
         kv_mode: the KV caches' mode (runtime/engine/kv_modes.py; default bf16).
         yarn: a YaRN factor for the global-attention layers' rope (None: the model's own rope)."""
         self.artifact = artifact
@@ -133,8 +135,8 @@ class GemmaModel:
         self.caches: dict[int, KVCache] = {}
         for layer in spec.layers:
             if layer.owns_kv:
-                ring = layer.kind == SLIDING and 0 < spec.window < context
-                slots = spec.window if ring else context
+                ring = layer.kind == SLIDING and 0 < spec.window and spec.window + spare_slots < context
+                slots = spec.window + spare_slots if ring else context
                 home = self.host if self.where[layer.index] == HOST else self.device
                 self.caches[layer.index] = make_cache(kv_mode, slots, layer.kv_heads, layer.head_dim, ring, dtype, home,
                                                       seed=layer.index)
@@ -333,7 +335,10 @@ class GemmaModel:
                 held = cache.slots if end is None else min(cache.slots, end - t)  # slots written before
                 old_k, old_v = cache.read(held)
                 new_k, new_v = cache.space(k, v)  # as the cache will give them back
-                keys = (torch.cat((old_k, new_k)), torch.cat((old_v, new_v)), torch.cat((cache.pos[:held], positions)))
+                # Keys the ring holds at the chunk's positions or later are left from a rolled-back
+                # speculation: hidden as unwritten (-1), the chunk's own replace them.
+                old_pos = cache.pos[:held].masked_fill(cache.pos[:held] >= positions[0], -1)
+                keys = (torch.cat((old_k, new_k)), torch.cat((old_v, new_v)), torch.cat((old_pos, positions)))
                 cache.write(k, v, positions)
                 return self._scores(layer, q, *keys, positions, cache.rotation, cache.value_offset)
             cache.write(k, v, positions)

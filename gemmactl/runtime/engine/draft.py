@@ -1,0 +1,84 @@
+"""A draft model for the engine's speculative decoding: what a tier asks for, and loading it.
+
+The draft is another int4-stream artifact of the same vocabulary (a smaller Gemma, or the same
+model quantized more coarsely), loaded beside the target on the same device. A draft with another
+vocabulary is refused, naming both; one larger than the target loads with a warning (the tuner
+turns speculation off when it loses); one that fails to load leaves the tier running without
+speculation, and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gemmactl.errors import GemmactlError, InvalidOptionError
+
+DEFAULT_DRAFT_MAX = 4
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """A tier's draft: the artifact, the most tokens drafted per round, and whether the tuner
+    chooses how many (else always draft_max)."""
+
+    path: str
+    k_max: int = DEFAULT_DRAFT_MAX
+    tune: bool = True
+    problem: str | None = None  # why it cannot be used (found when it was resolved)
+
+
+def _vocabulary(tokenizer) -> dict:
+    return tokenizer.get_vocab()
+
+
+def _stored_bytes(artifact) -> int:
+    return sum(int(record.nbytes) for record in artifact.records)
+
+
+def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str]):
+    """The Speculator for backend's model and the draft, or None (with a notice) when the draft
+    cannot be loaded. Raises InvalidOptionError for a draft of another vocabulary."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from gemmactl.runtime.engine.graph import DecodeStep
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.engine.speculative import Speculator, Tuner
+    from gemmactl.runtime.int4_backend import open_runnable_artifact
+
+    if draft.problem:
+        notices.append(f"the draft {draft.path} could not be loaded ({draft.problem}); running without speculation")
+        return None
+    try:
+        draft_artifact = open_runnable_artifact(draft.path)
+        draft_tokenizer = AutoTokenizer.from_pretrained(draft.path)
+    except Exception as exc:  # noqa: BLE001 - any failure to open leaves the tier without speculation
+        notices.append(f"the draft {draft.path} could not be loaded ({_first_line(exc)}); running without speculation")
+        return None
+    ours, theirs = _vocabulary(backend.tokenizer), _vocabulary(draft_tokenizer)
+    if ours != theirs:
+        raise InvalidOptionError(
+            f"the draft {draft.path} has another vocabulary ({len(theirs):,} tokens) than the model "
+            f"{backend.model_path} ({len(ours):,} tokens)",
+            hint="A draft must share its target's tokenizer: use a smaller model of the same family.")
+    draft_bytes, target_bytes = _stored_bytes(draft_artifact), _stored_bytes(artifact)
+    if draft_bytes > target_bytes:
+        notices.append(f"the draft {draft.path} ({draft_bytes / 1e9:.2f} GB) is larger than the model "
+                       f"({target_bytes / 1e9:.2f} GB): it will rarely pay, and the tuner turns it off when it loses")
+    try:
+        with torch.inference_mode():
+            model = GemmaModel(draft_artifact, device=backend.device, dtype=backend.dtype,
+                               context=backend.context_size, spare_slots=draft.k_max)
+        step = DecodeStep(model)
+    except (GemmactlError, OSError, ValueError, KeyError, RuntimeError) as exc:
+        notices.append(f"the draft {draft.path} could not be loaded on {backend.device} ({_first_line(exc)}); "
+                       "running without speculation")
+        return None
+    speculator = Speculator(backend.model, model, Tuner(draft.k_max, fixed=None if draft.tune else draft.k_max), step)
+    speculator.draft_path = draft.path
+    return speculator
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,266 @@
+"""Exact speculative decoding on the engine: a draft model proposes, the target verifies.
+
+A round: the draft (a smaller model of the same vocabulary, its own GemmaModel) decodes k tokens
+one at a time; the target runs the pending token and the k drafts in one step with every
+position's logits; the drafts are kept up to the first one the target would not have chosen,
+and the target's own choice at that position (or after the last draft, when all are kept) comes
+with them, so a round yields 1 to k + 1 tokens for one target step.
+
+- Greedy: a draft is kept when it is the target's argmax (after the repeat penalty over the
+  tokens before it), so the tokens are exactly plain decoding's.
+- Sampled: the standard rejection rule (Leviathan et al. 2023; Chen et al. 2023): a draft x drawn
+  from q is kept with probability min(1, p(x)/q(x)); at the first rejection a token is drawn from
+  max(0, p − q) renormalized; so every token is distributed as p, the target's own distribution
+  after penalty, temperature, top-k, top-p and min-p (runtime/engine/sampler.py).
+
+Rolling back costs nothing: every KV slot records the position it holds, attention hides keys
+past the query, and the next round's writes replace the rejected ones. A sliding layer's ring
+gets `k_max` spare slots so the rejected keys never overwrite ones its window still needs.
+
+`Tuner` picks k each round from measurements: the acceptance rate (decayed counts), the time of a
+draft step and of a verify step, and of a plain target step; speculation turns itself off when
+its predicted rate is below plain decoding's and probes again every PROBE_EVERY tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gemmactl.runtime.base import REPEAT_LAST_N
+from gemmactl.runtime.engine.sampler import penalized, probabilities
+
+PROBE_EVERY = 32  # plain tokens between probes while speculation is off
+DECAY = 0.9  # weight of the past in the acceptance counts and step times, per round
+PLAIN_FIRST = 2  # plain steps that measure the target's own rate before the first round
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a round yields when each draft is kept with probability alpha: 1 + α + … + α^k."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class Tuner:
+    """How many tokens to draft next: fixed (k), or chosen from what was measured (k=None)."""
+
+    k_max: int
+    fixed: int | None = None
+    accepted: float = 0.0  # decayed count of drafts kept
+    rejected: float = 0.0  # decayed count of rounds that stopped at a rejection
+    t_plain: float | None = None  # s per plain target step
+    t_draft: float | None = None  # s per draft step
+    t_extra: float | None = None  # s a verify step costs per draft beyond a plain step
+    plain_since: int = 0  # plain tokens since speculation was last tried
+    decisions: dict = field(default_factory=lambda: {"on": 0, "off": 0})
+
+    @property
+    def alpha(self) -> float | None:
+        seen = self.accepted + self.rejected
+        return self.accepted / seen if seen else None
+
+    def next_k(self, room: int) -> int:
+        """Drafts for the next round (0: a plain step). room: positions left in the context."""
+        cap = min(self.k_max, room)
+        if cap <= 0:
+            return 0
+        if self.fixed is not None:
+            return min(self.fixed, cap)
+        if self.t_plain is None or self.plain_since < PLAIN_FIRST and self.t_draft is None:
+            return 0  # measure the target's own step first
+        if self.t_draft is None or self.alpha is None:
+            return cap  # the first round: measures the draft, the verify step and acceptance
+        k, rate = self.best(cap)
+        if rate > 1.0 / self.t_plain:
+            self.decisions["on"] += 1
+            return k
+        self.decisions["off"] += 1
+        if self.plain_since >= PROBE_EVERY:
+            return max(1, k)  # try again: the text may have become easier to draft
+        return 0
+
+    def best(self, cap: int) -> tuple[int, float]:
+        """(k, predicted tokens per second) of the best draft length up to cap."""
+        alpha = min(self.alpha or 0.0, 0.999)
+        extra = self.t_extra if self.t_extra is not None else 0.0
+        rates = [(expected_tokens(alpha, k) / (k * self.t_draft + self.t_plain + k * extra), k) for k in range(1, cap + 1)]
+        rate, k = max(rates)
+        return k, rate
+
+    def record_plain(self, seconds: float) -> None:
+        self.t_plain = seconds if self.t_plain is None else DECAY * self.t_plain + (1 - DECAY) * seconds
+        self.plain_since += 1
+
+    def record_round(self, k: int, kept: int, draft_s: float, verify_s: float) -> None:
+        self.accepted = DECAY * self.accepted + kept
+        self.rejected = DECAY * self.rejected + (1 if kept < k else 0)
+        per_draft = draft_s / k
+        self.t_draft = per_draft if self.t_draft is None else DECAY * self.t_draft + (1 - DECAY) * per_draft
+        if self.t_plain is not None:
+            extra = max(0.0, verify_s - self.t_plain) / k
+            self.t_extra = extra if self.t_extra is None else DECAY * self.t_extra + (1 - DECAY) * extra
+        self.plain_since = 0
+
+    def summary(self) -> dict:
+        speculating = self.fixed is not None or (self.t_plain is not None and self.t_draft is not None
+                                                 and self.alpha is not None and self.best(self.k_max)[1] > 1 / self.t_plain)
+        predicted = None
+        if self.t_plain and self.t_draft is not None and self.alpha is not None:
+            predicted = round(self.best(self.k_max)[1] * self.t_plain, 3)
+        ms = lambda s: None if s is None else round(1000 * s, 3)  # noqa: E731
+        return {"mode": "fixed" if self.fixed is not None else "tuned", "speculating": speculating,
+                "k": self.fixed if self.fixed is not None else (self.best(self.k_max)[0] if predicted else None),
+                "acceptance_estimate": None if self.alpha is None else round(self.alpha, 3),
+                "plain_step_ms": ms(self.t_plain), "draft_step_ms": ms(self.t_draft),
+                "verify_extra_ms_per_draft": ms(self.t_extra), "predicted_speedup": predicted,
+                "rounds_on": self.decisions["on"], "rounds_off": self.decisions["off"]}
+
+
+def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafted: list[int], generator) -> tuple[int, int]:
+    """The rejection rule: p [k+1, V] the target's distributions, q [k, V] the draft's, drafted
+    the k drafts (each drawn from its q row). Returns (drafts kept, the token that follows them)."""
+    for i, x in enumerate(drafted):
+        u = torch.rand((), generator=generator, device=p.device)
+        if u * q[i, x] < p[i, x]:  # u < p/q, without dividing by a zero q
+            continue
+        residual = (p[i] - q[i]).clamp_min(0.0)
+        total = residual.sum()
+        token = torch.multinomial(residual / total if total > 0 else p[i], 1, generator=generator)[0]
+        return i, int(token)
+    return len(drafted), int(torch.multinomial(p[len(drafted)], 1, generator=generator)[0])
+
+
+@dataclass
+class RoundStats:
+    """Counters of one generation's speculation."""
+
+    rounds: int = 0
+    drafted: int = 0
+    kept: int = 0
+    plain_steps: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"rounds": self.rounds, "drafted": self.drafted, "kept": self.kept,
+                "acceptance": round(self.kept / self.drafted, 4) if self.drafted else None,
+                "tokens_per_round": round((self.kept + self.rounds) / self.rounds, 3) if self.rounds else None,
+                "plain_steps": self.plain_steps, "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4)}
+
+
+class Speculator:
+    """Speculative decoding of one target with one draft (GemmaModels of the same vocabulary)."""
+
+    def __init__(self, target, draft, tuner: Tuner, draft_decoder=None):
+        self.target, self.draft, self.tuner = target, draft, tuner
+        self.draft_decoder = draft_decoder  # the draft's DecodeStep (a captured graph on a GPU), if any
+        self.stats = RoundStats()
+        self.draft_path: str | None = None
+
+    def prefill_draft(self, tokens: torch.Tensor, chunk: int) -> None:
+        """The draft reads the prompt (it starts from position 0, like the target)."""
+        self.draft.reset()
+        self._draft_len = 0
+        self._pending: list[int] = []
+        n = tokens.numel()
+        for begin in range(0, n, chunk):
+            stop = min(n, begin + chunk)
+            self.draft.step(tokens[begin:stop], torch.arange(begin, stop, device=self.draft.device), stop)
+        self._draft_len = n
+
+    def tokens(self, token: int, position: int, history: list[int], request, generator, plain_step, context: int):
+        """Token ids after `token` (the first generated, at `position`), without end.
+
+        history: the prompt's and generated tokens so far (for the repeat penalty; extended here).
+        plain_step(token, position) → logits [V]: the target's own decode step.
+        """
+        self.stats = RoundStats()
+        self._pending = [token]
+        device = self.target.device
+        while True:
+            k = self.tuner.next_k(context - position - 1)
+            if k == 0:
+                start = time.perf_counter()
+                recent = torch.tensor(history[-REPEAT_LAST_N:], dtype=torch.long, device=device)
+                logits = plain_step(torch.tensor(token, device=device), position)
+                token = self._choose(logits, recent, request, generator)
+                self.tuner.record_plain(time.perf_counter() - start)
+                self.stats.plain_steps += 1
+                self._pending.append(token)
+                position += 1
+                history.append(token)
+                yield token
+                continue
+            start = time.perf_counter()
+            drafted, q_rows = self._draft(k, history, request, generator)
+            draft_s = time.perf_counter() - start
+            start = time.perf_counter()
+            tokens = torch.tensor([token] + drafted, dtype=torch.long, device=device)
+            logits = self.target.step(tokens, torch.arange(position, position + k + 1, device=device),
+                                      position + k + 1, all_logits=True)  # [k+1, V]
+            kept, final = self._verify(logits, drafted, q_rows, history, request, generator)
+            verify_s = time.perf_counter() - start
+            self.tuner.record_round(k, kept, draft_s, verify_s)
+            s = self.stats
+            s.rounds, s.drafted, s.kept = s.rounds + 1, s.drafted + k, s.kept + kept
+            s.draft_s, s.verify_s = s.draft_s + draft_s, s.verify_s + verify_s
+            # The draft read its pending tokens and drafts 1..k-1; what it holds past the kept
+            # ones is rolled back by position, like the target's.
+            self._draft_len = min(self._draft_len, position + kept + 1)
+            self._pending = ([drafted[-1]] if kept == k else []) + [final]
+            out = drafted[:kept] + [final]
+            position += kept + 1
+            token = final
+            for value in out:
+                history.append(value)
+                yield value
+
+    def _choose(self, logits, recent, request, generator) -> int:
+        if request.temperature == 0:
+            return int(torch.argmax(penalized(logits, recent, request)))
+        return int(torch.multinomial(probabilities(logits, recent, request), 1, generator=generator)[0])
+
+    def _draft(self, k: int, history: list[int], request, generator) -> tuple[list[int], torch.Tensor | None]:
+        """k drafts (and their distributions when sampling), after the draft reads its pending tokens."""
+        device = self.draft.device
+        draft_history = list(history)
+        drafted, q_rows = [], []
+        feed = self._pending
+        for _ in range(k):
+            start = self._draft_len
+            if len(feed) == 1 and self.draft_decoder is not None:
+                logits = self.draft_decoder(torch.tensor(feed[0], device=device), start)
+            else:
+                logits = self.draft.step(torch.tensor(feed, dtype=torch.long, device=device),
+                                         torch.arange(start, start + len(feed), device=device), start + len(feed))
+            self._draft_len = start + len(feed)
+            recent = torch.tensor(draft_history[-REPEAT_LAST_N:], dtype=torch.long, device=device)
+            if request.temperature == 0:
+                value = int(torch.argmax(penalized(logits, recent, request)))
+            else:
+                q = probabilities(logits, recent, request)
+                q_rows.append(q)
+                value = int(torch.multinomial(q, 1, generator=generator)[0])
+            drafted.append(value)
+            draft_history.append(value)
+            feed = [value]
+        self._pending = []
+        return drafted, (torch.stack(q_rows) if q_rows else None)
+
+    def _verify(self, logits, drafted, q_rows, history, request, generator) -> tuple[int, int]:
+        """(drafts kept, the token after them) from the target's logits [k+1, V]."""
+        device = logits.device
+        rows = []
+        for i in range(len(drafted) + 1):
+            recent = torch.tensor((history + drafted[:i])[-REPEAT_LAST_N:], dtype=torch.long, device=device)
+            if request.temperature == 0:
+                choice = int(torch.argmax(penalized(logits[i], recent, request)))
+                if i == len(drafted) or choice != drafted[i]:
+                    return i, choice
+            else:
+                rows.append(probabilities(logits[i], recent, request))
+        return accept_sampled(torch.stack(rows), q_rows, drafted, generator)

@@ -1,0 +1,250 @@
+"""Speculative decoding on the engine (runtime/engine/speculative.py), on the CPU.
+
+Greedy tokens with speculation equal plain decoding's at every draft length, with drafts that
+agree always (the target itself), often (the same checkpoint quantized more coarsely) and
+rarely (another random model), past the sliding window (16 tokens in the tiny models), with and
+without the repeat penalty. The sampled rule is checked statistically on small distributions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from gemmactl.formats.int4.layout import QuantizeOptions
+from gemmactl.formats.int4.quantize import quantize_checkpoint
+from gemmactl.formats.int4.reader import open_artifact
+from gemmactl.runtime.engine.model import GemmaModel
+from gemmactl.runtime.engine.sampler import pick
+from gemmactl.runtime.engine.speculative import PROBE_EVERY, Speculator, Tuner, accept_sampled, expected_tokens
+
+PROMPT = [2, 818, 5279, 529, 7001, 563, 496, 1401]
+STEPS = 40  # past the 16-token window, with rounds straddling it
+CONTEXT = 64
+
+
+@dataclass
+class Request:
+    temperature: float = 0.0
+    repeat_penalty: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    from helpers.random_gemma import build_random_gemma
+
+    folder = tmp_path_factory.mktemp("speculative")
+    target_ckpt = build_random_gemma("dense-ple", folder / "ckpt-target")
+    other_ckpt = build_random_gemma("dense-ple", folder / "ckpt-other", seed=1)
+    made = {}
+    for name, ckpt, group in (("target", target_ckpt, 32), ("coarse", target_ckpt, 128), ("other", other_ckpt, 32)):
+        quantize_checkpoint(ckpt, folder / name, QuantizeOptions(group_size=group, shard_size=1 << 30))
+        made[name] = open_artifact(folder / name)
+    return made
+
+
+def _model(artifact, spare=0):
+    return GemmaModel(artifact, device="cpu", dtype=torch.float32, context=CONTEXT, spare_slots=spare)
+
+
+def _plain(model, request, steps=STEPS):
+    """Plain decoding, one token a step, as the backend does it."""
+    model.reset()
+    history = list(PROMPT)
+    with torch.inference_mode():
+        logits = model.step(torch.tensor(PROMPT), torch.arange(len(PROMPT)), len(PROMPT))
+        tokens = []
+        for position in range(len(PROMPT), len(PROMPT) + steps):
+            token = int(pick(logits, torch.tensor(history[-64:]), request, None))
+            tokens.append(token)
+            history.append(token)
+            logits = model.step(torch.tensor([token]), torch.tensor([position]), position + 1)
+    return tokens
+
+
+def _speculative(target, draft, k, request, steps=STEPS, tune=False):
+    target.reset()
+    speculator = Speculator(target, draft, Tuner(k, fixed=None if tune else k))
+    with torch.inference_mode():
+        logits = target.step(torch.tensor(PROMPT), torch.arange(len(PROMPT)), len(PROMPT))
+        speculator.prefill_draft(torch.tensor(PROMPT), chunk=5)
+        first = int(pick(logits, torch.tensor(PROMPT[-64:]), request, None))
+
+        def plain_step(token, position):
+            return target.step(token.reshape(1), torch.tensor([position]), position + 1)
+
+        out = [first]
+        for token in speculator.tokens(first, len(PROMPT), PROMPT + [first], request, None, plain_step, CONTEXT):
+            out.append(token)
+            if len(out) == steps:
+                break
+    return out, speculator.stats
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+@pytest.mark.parametrize("draft_kind", ["target", "coarse", "other"])
+def test_greedy_tokens_are_plain_decodings_at_every_draft_length(artifacts, draft_kind, penalty):
+    request = Request(repeat_penalty=penalty)
+    reference = _plain(_model(artifacts["target"]), request)
+    target = _model(artifacts["target"], spare=4)
+    draft = _model(artifacts[draft_kind], spare=4)
+    rates = []
+    for k in (1, 2, 3, 4):
+        tokens, stats = _speculative(target, draft, k, request)
+        assert tokens == reference, (draft_kind, k)
+        assert stats.rounds and stats.drafted == k * stats.rounds
+        rates.append(stats.kept / stats.drafted)
+    if draft_kind == "target":
+        assert rates == [1.0] * 4  # the target agrees with itself: every draft is kept
+    if draft_kind == "other":
+        assert max(rates) < 0.5  # an unrelated model: mostly rejected, and the tokens still exact
+
+
+def test_a_tuned_speculator_is_exact_and_says_what_it_decided(artifacts):
+    request = Request()
+    reference = _plain(_model(artifacts["target"]), request, steps=STEPS)
+    target, draft = _model(artifacts["target"], spare=4), _model(artifacts["coarse"], spare=4)
+    tokens, stats = _speculative(target, draft, 4, request, tune=True)
+    assert tokens == reference
+    assert stats.plain_steps >= 2  # the tuner measured plain steps first
+
+
+def test_rejection_rule_gives_the_target_distribution():
+    """Drafts drawn from q, passed through accept_sampled: the tokens that come out (the first of
+    each round) are distributed as p, for a q far from p."""
+    generator = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.1, 0.1, 0.1, 0.6]])
+    q = torch.tensor([[0.05, 0.05, 0.3, 0.3, 0.3]])
+    n, counts = 40000, torch.zeros(5)
+    for _ in range(n):
+        x = int(torch.multinomial(q[0], 1, generator=generator))
+        kept, final = accept_sampled(p, q, [x], generator)
+        counts[x if kept else final] += 1
+    observed = counts / n
+    for i in range(5):  # within 5 standard errors of p
+        sigma = math.sqrt(max(p[0, i] * (1 - p[0, i]), 1e-9) / n)
+        assert abs(observed[i] - p[0, i]) <= 5 * sigma + 1e-9, (i, observed.tolist())
+
+
+def test_rejection_rule_all_kept_draws_the_bonus_from_the_last_row():
+    generator = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    q = torch.tensor([[0.0, 1.0, 0.0]])
+    assert accept_sampled(p, q, [1], generator) == (1, 2)
+
+
+def test_tuner_speculates_when_it_pays_and_stops_when_it_loses():
+    tuner = Tuner(k_max=6)
+    assert tuner.next_k(100) == 0  # measures a plain step first
+    tuner.record_plain(0.010)
+    assert tuner.next_k(100) == 0
+    tuner.record_plain(0.010)
+    assert tuner.next_k(100) == 6  # the first round probes at k_max
+    for _ in range(10):  # cheap drafts, mostly kept
+        tuner.record_round(4, 4, draft_s=4 * 0.001, verify_s=0.012)
+    k = tuner.next_k(100)
+    assert k >= 3 and tuner.summary()["speculating"]
+    for _ in range(30):  # now every draft is rejected
+        tuner.record_round(k, 0, draft_s=k * 0.001, verify_s=0.012)
+    assert tuner.next_k(100) == 0 and not tuner.summary()["speculating"]
+    for _ in range(PROBE_EVERY):
+        tuner.record_plain(0.010)
+    assert tuner.next_k(100) >= 1  # probes again
+    assert tuner.next_k(0) == 0  # no room left in the context
+
+
+def test_expected_tokens_per_round():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+
+
+@pytest.fixture(scope="module")
+def run_artifacts(tiny_checkpoint, tmp_path_factory):
+    """The tiny dense Gemma 4 with the real Gemma 4 tokenizer as int4-stream artifacts for `run`:
+    the target (groups of 32) and a coarser draft of it (groups of 128)."""
+    folder = tmp_path_factory.mktemp("speculative-run")
+    for name, group in (("target", 32), ("draft", 128)):
+        quantize_checkpoint(tiny_checkpoint("dense-ple"), folder / name, QuantizeOptions(group_size=group, shard_size=1 << 30))
+    return folder / "target", folder / "draft"
+
+
+def _run(artifact, *options):
+    import json
+
+    from conftest import run_gemmactl
+
+    proc = run_gemmactl(["run", "--model", str(artifact), "--raw", "--json", "--temperature", "0", "--max-tokens", "24",
+                         *options, "The capital of France is"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout), proc.stderr
+
+
+@pytest.fixture(scope="module")
+def plain_answer(run_artifacts):
+    return _run(run_artifacts[0])[0]["answer"]
+
+
+def test_run_with_a_draft_answers_as_without_and_reports_the_rounds(run_artifacts, plain_answer):
+    target, draft = run_artifacts
+    fixed, _ = _run(target, "--draft", str(draft), "--draft-max", "3", "--no-draft-tune")
+    tuned, _ = _run(target, "--draft", str(draft))
+    assert fixed["answer"] == tuned["answer"] == plain_answer and plain_answer
+    report = fixed["model"]["engine"]["speculation"]
+    assert report["draft"] == str(draft) and report["mode"] == "fixed" and report["k_max"] == 3
+    assert report["rounds"] > 0 and report["drafted"] == 3 * report["rounds"] and report["plain_steps"] == 0
+    report = tuned["model"]["engine"]["speculation"]
+    assert report["mode"] == "tuned" and report["k_max"] == 4 and report["plain_steps"] >= 2
+
+
+def test_draft_options_that_cannot_apply_are_one_line_each(run_artifacts, runner, isolated_home, tmp_path):
+    from conftest import invoke
+
+    target, draft = run_artifacts
+    result = invoke(runner, ["run", "--model", str(target), "--draft-max", "3", "hello"])
+    assert result.exit_code != 0 and "need a draft model" in result.output and "Traceback" not in result.output
+    result = invoke(runner, ["run", "--draft", str(draft), "hello"])  # the embedded GGUF: llama.cpp
+    assert result.exit_code != 0 and "int4 engine" in result.output and "Traceback" not in result.output
+    result = invoke(runner, ["run", "--model", str(target), "--draft", str(tmp_path / "nowhere"), "hello"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+
+
+def test_a_draft_of_another_vocabulary_is_refused_naming_both(run_artifacts, tmp_path):
+    import json
+    import shutil
+
+    from conftest import run_gemmactl
+
+    target, draft = run_artifacts
+    other = tmp_path / "other-vocab"
+    shutil.copytree(draft, other)
+    config = json.loads((other / "tokenizer.json").read_text())
+    vocab = config["model"]["vocab"]
+    if isinstance(vocab, dict):
+        vocab["an-extra-token"] = len(vocab)
+    else:
+        vocab.append(["an-extra-token", 0.0])
+    (other / "tokenizer.json").write_text(json.dumps(config))
+    proc = run_gemmactl(["run", "--model", str(target), "--draft", str(other), "--max-tokens", "4", "hello"])
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "another vocabulary" in proc.stderr and str(other) in proc.stderr and str(target) in proc.stderr
+
+
+def test_a_draft_that_fails_to_load_leaves_the_run_without_speculation(run_artifacts, plain_answer, tmp_path):
+    import shutil
+
+    target, draft = run_artifacts
+    broken = tmp_path / "broken"
+    shutil.copytree(draft, broken)
+    for shard in broken.glob("*.i4s"):
+        shard.write_bytes(b"")
+    result, _ = _run(target, "--draft", str(broken))
+    assert result["answer"] == plain_answer
+    assert "speculation" not in result["model"]["engine"]
+    assert any("running without speculation" in notice for notice in result["notices"])
