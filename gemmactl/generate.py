@@ -202,14 +202,16 @@ def llama_kv_args(mode: str) -> dict:
 
 
 def draft_settings_for(tier, store: Store, draft: str | None = None, draft_max: int | None = None,
-                       tune: bool | None = None):
+                       tune: bool | None = None, engine: bool | None = None):
     """The engine's draft a run asks for: --draft REF (an int4-stream artifact of the same
     vocabulary), --draft-max N and --no-draft-tune over the tier's `speculative:` (kind draft,
-    enabled, on an int4 tier). None: no speculation."""
+    enabled, on an int4 tier; engine: whether the tier's model runs on the engine, default its
+    `backend:`). None: no speculation."""
     from gemmactl.runtime.engine.draft import DEFAULT_DRAFT_MAX, DraftSettings
 
     spec = tier.speculative if tier.speculative is not None and tier.speculative.enabled else None
-    ref = draft or (spec.draft_model if spec is not None and spec.kind == "draft" and tier.backend == "int4" else None)
+    on_engine = tier.backend == "int4" if engine is None else engine
+    ref = draft or (spec.draft_model if spec is not None and spec.kind == "draft" and on_engine else None)
     if ref is None:
         if draft_max is not None or tune is not None:
             raise InvalidOptionError("--draft-max and --no-draft-tune need a draft model",

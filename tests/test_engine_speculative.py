@@ -248,3 +248,20 @@ def test_a_draft_that_fails_to_load_leaves_the_run_without_speculation(run_artif
     assert result["answer"] == plain_answer
     assert "speculation" not in result["model"]["engine"]
     assert any("running without speculation" in notice for notice in result["notices"])
+
+
+def test_serve_gives_an_int4_tier_its_draft(run_artifacts, isolated_home):
+    """serve's plan: an int4 tier with `speculative: {type: draft}` gets the engine's draft, with no
+    warning; with --no-speculative it gets none."""
+    from gemmactl.recipes import parse_recipe
+    from gemmactl.server.service import plan_backends
+    from gemmactl.store import Store
+
+    target, draft = run_artifacts
+    recipe = parse_recipe(f"tiers:\n  deep:\n    model: {target}\n    backend: int4\n    context: 256\n"
+                          f"    speculative: {{type: draft, draft_model: {draft}, draft_max: 3}}\n")
+    plans, unavailable, warnings = plan_backends(recipe, Store(isolated_home), speculative=True, require_build=False)
+    assert not unavailable and not warnings
+    assert plans[0].draft.path == str(draft) and plans[0].draft.k_max == 3 and "engine draft" in plans[0].spec_note
+    plans, _, _ = plan_backends(recipe, Store(isolated_home), speculative=False, require_build=False)
+    assert plans[0].draft is None

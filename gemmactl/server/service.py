@@ -68,12 +68,13 @@ class BackendPlan:
     experts: object | None = None  # the tiers' expert cache (recipe expert_*), for int4 tiers
     kv_cache: str | None = None  # the tiers' KV cache mode (recipe kv_cache)
     yarn: float | None = None  # the tiers' YaRN factor (recipe yarn), for int4 tiers
+    draft: object | None = None  # the tiers' draft (recipe speculative: draft_model), for int4 tiers
 
 
 def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_build: bool
                   ) -> tuple[list[BackendPlan], dict[str, str], list[str]]:
     """(backend plans, tier → why it cannot run, warnings); loads nothing."""
-    from gemmactl.generate import backend_for, expert_settings_for, speculative_args
+    from gemmactl.generate import backend_for, draft_settings_for, expert_settings_for, speculative_args
     from gemmactl.llamacpp.build import active_build
     from gemmactl.store.refs import RUNNABLE, resolve_model
 
@@ -106,14 +107,19 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
             if kind == "llamacpp":
                 warnings.append(f"tier {name}: no llama.cpp build with llama-server, so it runs in process, one "
                                 "request at a time, without prompt caching; run `gemmactl build` for the server")
-            if tier.speculative and tier.speculative.enabled and speculative:
-                warnings.append(f"tier {name}: speculative decoding needs llama-server; it is off for this tier")
+            engine_draft = (kind == "int4" and speculative and tier.speculative is not None
+                            and tier.speculative.enabled and tier.speculative.kind == "draft")
+            if tier.speculative and tier.speculative.enabled and speculative and not engine_draft:
+                warnings.append(f"tier {name}: speculative decoding needs llama-server (or an int4 tier with a "
+                                "draft model); it is off for this tier")
             for field, value in (("flash_attn", tier.flash_attn != "off"), ("backend_sampling", tier.backend_sampling)):
                 if value:
                     warnings.append(f"tier {name}: {field} needs llama-server; it is off for this tier")
             key = (kind, str(path), tier.context, tier.vram, tier.rpc, tier.expert_cache, tier.expert_policy,
-                   tier.expert_prefetch, tier.kv_cache, tier.yarn)
+                   tier.expert_prefetch, tier.kv_cache, tier.yarn, tier.speculative if engine_draft else None)
             spec_args, spec_note = (), "off"
+            if engine_draft:
+                spec_note = f"engine draft {tier.speculative.draft_model}, k≤{tier.speculative.draft_max}, tuned"
         if key in plans:
             plans[key].tiers.append(name)
         else:
@@ -122,7 +128,8 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
             plans[key] = BackendPlan(key, kind, model, [name], tier.context, parallel, spec_args, spec_note, slots_note,
                                      tier.flash_attn if served else "off", tier.backend_sampling and served,
                                      tier.vram, tier.rpc, expert_settings_for(tier) if kind == "int4" else None,
-                                     tier.kv_cache, tier.yarn)
+                                     tier.kv_cache, tier.yarn,
+                                     draft_settings_for(tier, store, engine=True) if engine_draft else None)
     _one_head_per_worker(plans.values())
     return list(plans.values()), unavailable, warnings
 
@@ -281,7 +288,8 @@ class Service:
                      backend.info.speculative, time.perf_counter() - started)
             return backend
         loaded = open_backend(plan.model, context=plan.context, store=self.store, threads=threads, vram=plan.vram,
-                              rpc=plan.rpc, experts=plan.experts, kv_cache=plan.kv_cache, yarn=plan.yarn)
+                              rpc=plan.rpc, experts=plan.experts, kv_cache=plan.kv_cache, yarn=plan.yarn,
+                              draft=plan.draft)
         for notice in loaded.notices:
             log.warning(notice)
         log.info("tiers %s: %s in process, one request at a time (%.1f s)", ",".join(plan.tiers), plan.kind,
