@@ -161,7 +161,8 @@ def open_backend(
         from gemmactl.llamacpp.library import select_library
 
         if placement == AUTO:
-            placement = gpu_placement(model.path, context, parallel=parallel, store=store, vram=vram, rpc=rpc)
+            placement = gpu_placement(model.path, context, parallel=parallel, store=store, vram=vram, rpc=rpc,
+                                      kv_cache=kv_cache)
         if placement is not None and placement.rpc:
             if kv_cache:
                 raise InvalidOptionError("a KV cache type with RPC workers is not supported yet",
@@ -265,8 +266,9 @@ def open_model(ref: str, store: Store, *, accept: tuple[str, ...] = RUNNABLE, co
 
 
 def gpu_placement(model_path: Path, context: int, *, parallel: int = 1, store: Store | None = None,
-                  vram: int | None = None, rpc: tuple[str, ...] = ()) -> GpuPlacement:
-    """Where llama.cpp should put a GGUF's layers on this machine, from the planner (headers only).
+                  vram: int | None = None, rpc: tuple[str, ...] = (), kv_cache: str | None = None) -> GpuPlacement:
+    """Where llama.cpp should put a GGUF's layers on this machine, from the planner (headers only),
+    with its KV cache sized for the cache type kv_cache (f16 by default).
 
     A planner that cannot read the model leaves every layer offered to the GPU, and says why.
     With RPC workers, the split across them (a worker that cannot be used stops here).
@@ -286,7 +288,8 @@ def gpu_placement(model_path: Path, context: int, *, parallel: int = 1, store: S
 
             gpus = detect_machine().gpus
             free = min(vram, (gpu_free_bytes(gpus[0].index) or gpus[0].memory_bytes) if gpus else vram)
-        return auto_placement(Path(model_path), context, parallel=parallel, store=store, free_vram=free)
+        return auto_placement(Path(model_path), context, parallel=parallel, store=store, free_vram=free,
+                              kv_cache=kv_cache)
     except (GemmactlError, OSError, ValueError) as exc:
         return GpuPlacement.all_on_gpu(f"planner failed ({exc}): every layer offered to the GPU")
 

@@ -157,3 +157,22 @@ def test_run_takes_the_kv_cache_mode_on_both_backends(tiny_checkpoint, tmp_path,
                           (["--model", str(folder), "--kv-cache", "q4_0"], "not a KV cache mode of the int4 engine")):
         result = invoke(runner, ["run", *args, "hello"])
         assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output, result.output
+
+
+def test_llama_cpp_plans_size_the_kv_for_the_cache_type(embedded_gguf, model_home, runner):
+    """plan and run's placement size a GGUF's KV for llama.cpp's type: q8_0 and q4_0 are ggml blocks
+    of 32 values with an f16 scale (34 and 18 bytes), against 64 bytes in f16."""
+    import json
+
+    from conftest import invoke
+    from gemmactl.plan.report import build_plan
+
+    kv = {}
+    for mode in (None, "f16", "q8_0", "q4_0"):
+        plan = build_plan(str(embedded_gguf), vram="64G", context=4096, kv_cache=mode).plan
+        kv[mode] = sum(layer.kv_bytes for layer in plan.layers)
+    assert kv[None] == kv["f16"] > 0
+    assert abs(kv["q8_0"] / kv["f16"] - 34 / 64) < 1e-3 and abs(kv["q4_0"] / kv["f16"] - 18 / 64) < 1e-3
+    result = invoke(runner, ["plan", str(embedded_gguf), "--hardware", "desktop-4g", "--kv-cache", "q4_0", "--json"])
+    assert result.exit_code == 0, result.output
+    assert sum(layer["kv_bytes"] for layer in json.loads(result.output)["layers"]) < kv["f16"]

@@ -213,7 +213,7 @@ def test_the_kv_mode_sizes_the_caches_and_context_max_finds_the_longest(artifact
                              f"{budget}B", "--context", "4096"])
     assert result.exit_code != 0 and "the longest context that fits is 1024" in result.output
     assert "--context 1024 or less" in result.output and "Traceback" not in result.output
-    for args, message in ((["--backend", "llamacpp", "--context", "max"], "size the int4 engine's plan"),
+    for args, message in ((["--backend", "llamacpp", "--context", "max"], "int4 engine's plan for its longest context"),
                           (["--backend", "int4", "--kv-cache", "q4_0"], "not a KV cache mode of the int4 engine"),
                           (["--backend", "int4", "--context", "lots"], "neither a number of tokens nor max")):
         result = invoke(runner, ["plan", str(artifact), "--hardware", "desktop-4g", *args])

@@ -73,7 +73,7 @@ def _speculative(target, draft, k, request, steps=STEPS, tune=False):
     speculator = Speculator(target, draft, Tuner(k, fixed=None if tune else k))
     with torch.inference_mode():
         logits = target.step(torch.tensor(PROMPT), torch.arange(len(PROMPT)), len(PROMPT))
-        speculator.prefill_draft(torch.tensor(PROMPT), chunk=5)
+        speculator.begin(PROMPT, chunk=5)
         first = int(pick(logits, torch.tensor(PROMPT[-64:]), request, None))
 
         def plain_step(token, position):
@@ -145,7 +145,7 @@ def test_tuner_speculates_when_it_pays_and_stops_when_it_loses():
     tuner.record_plain(0.010)
     assert tuner.next_k(100) == 0
     tuner.record_plain(0.010)
-    assert tuner.next_k(100) == 6  # the first round probes at k_max
+    assert tuner.next_k(100) == 2  # the first round probes, at a short length
     for _ in range(10):  # cheap drafts, mostly kept
         tuner.record_round(4, 4, draft_s=4 * 0.001, verify_s=0.012)
     k = tuner.next_k(100)
@@ -155,7 +155,14 @@ def test_tuner_speculates_when_it_pays_and_stops_when_it_loses():
     assert tuner.next_k(100) == 0 and not tuner.summary()["speculating"]
     for _ in range(PROBE_EVERY):
         tuner.record_plain(0.010)
-    assert tuner.next_k(100) >= 1  # probes again
+    assert tuner.next_k(100) == 2  # probes again
+    tuner.record_round(2, 0, draft_s=0.002, verify_s=0.012)
+    assert tuner.next_k(100) == 0 and tuner.probe_every == 2 * PROBE_EVERY  # it failed: waits twice as long
+    for _ in range(2 * PROBE_EVERY - 1):
+        tuner.record_plain(0.010)
+        assert tuner.next_k(100) == 0
+    tuner.record_plain(0.010)
+    assert tuner.next_k(100) == 2
     assert tuner.next_k(0) == 0  # no room left in the context
 
 

@@ -50,12 +50,14 @@ def auto_placement(
     gpu_capable: bool | None = None,
     free_vram: int | None = None,
     store=None,
+    kv_cache: str | None = None,
 ) -> GpuPlacement:
     """Decide -ngl / -ot for a GGUF at this context; reads headers only.
 
     machine, gpu_capable and free_vram default to what this machine has (tests pass fakes).
+    kv_cache: llama.cpp's cache type (f16, q8_0, q4_0) the KV is sized for.
     """
-    from gemmactl.plan.inventory import inventory_from_gguf
+    from gemmactl.plan.inventory import inventory_from_gguf, with_kv_type
     from gemmactl.plan.llama_args import tensor_overrides
     from gemmactl.plan.profile import DEFAULT_PROFILE, cached_profile, gpu_free_bytes, load_profile
     from gemmactl.plan.solver import Budget, Placement, evaluate, fits, plan_placement
@@ -73,7 +75,7 @@ def auto_placement(
     vram = free_vram if free_vram is not None else (gpu_free_bytes(gpu.index) or gpu.memory_bytes)
     profile = cached_profile(store.home / "plan", machine) or load_profile(DEFAULT_PROFILE)
     profile = replace(profile, vram_bytes=gpu.memory_bytes, ram_bytes=machine.ram_bytes or profile.ram_bytes)
-    inventory = inventory_from_gguf(Path(model_path))
+    inventory = with_kv_type(inventory_from_gguf(Path(model_path)), kv_cache)
     budget = Budget(vram, profile.ram_bytes)
     n = inventory.shape.n_layers
     whole = evaluate(inventory, profile, budget, Placement(n + 1), context, parallel)

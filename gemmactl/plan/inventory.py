@@ -37,6 +37,7 @@ class LayerInventory:
     head_dim_v: int
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LAYER_KINDS, 0))
     params: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LAYER_KINDS, 0))
+    kv_value_bytes: float = 2.0  # bytes a cached K or V value takes (f16; llama.cpp's q8_0/q4_0 less)
 
 
 @dataclass
@@ -277,3 +278,15 @@ def take_inventory(path: Path, *, quant: str | None = None) -> Inventory:
     if path.is_dir():
         raise NotACheckpointError(f"{path} has neither a config.json, an int4-stream index.json, nor is it a GGUF file")
     raise UnsupportedModelError(f"{path} is neither a GGUF file nor a model directory")
+
+
+def with_kv_type(inventory: "Inventory", mode: str | None) -> "Inventory":
+    """The inventory with llama.cpp's KV cache type `mode` (f16, q8_0, q4_0; None: f16) sizing its caches."""
+    from dataclasses import replace
+
+    from gemmactl.runtime.engine.kv_modes import LLAMACPP_VALUE_BYTES
+
+    if mode is None:
+        return inventory
+    size = LLAMACPP_VALUE_BYTES[mode]
+    return replace(inventory, layers=[replace(layer, kv_value_bytes=size) for layer in inventory.layers])

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gemmactl.errors import InvalidOptionError
-from gemmactl.plan.inventory import GLOBAL_KINDS, take_inventory
+from gemmactl.plan.inventory import GLOBAL_KINDS, take_inventory, with_kv_type
 from gemmactl.plan.llama_args import llama_cpp_args, torch_device_map
 from gemmactl.plan.profile import DEFAULT_PROFILE, HardwareProfile, gpu_free_bytes, load_profile, machine_profile
 from gemmactl.sizes import format_size, parse_size
@@ -72,7 +72,8 @@ def build_plan(
     kv_cache: str | None = None,
 ) -> PlanResult:
     """Inventory the model, pick the profile and budgets, and solve. context "max": the longest
-    the int4 engine's plan fits in the budget. kv_cache: the engine's KV cache mode to size."""
+    the int4 engine's plan fits in the budget. kv_cache: the KV cache mode to size (the engine's,
+    or llama.cpp's f16/q8_0/q4_0)."""
     from gemmactl.runtime.engine.kv_modes import check_mode
     from gemmactl.store import Store
 
@@ -80,10 +81,10 @@ def build_plan(
     vram_bytes = parse_size(vram, option="--vram") if vram is not None else None
     ram_bytes = parse_size(ram, option="--ram") if ram is not None else None
     longest = context == "max"
-    if (longest or kv_cache) and backend != "int4":
-        raise InvalidOptionError("--context max and --kv-cache size the int4 engine's plan; llama.cpp plans keep "
-                                 "an f16 KV cache and a given context",
-                                 hint="Plan an int4-stream artifact with --backend int4, or drop them.")
+    if longest and backend != "int4":
+        raise InvalidOptionError("--context max asks the int4 engine's plan for its longest context; llama.cpp plans "
+                                 "take a given context",
+                                 hint="Plan an int4-stream artifact with --backend int4, or give --context N.")
     check_mode(kv_cache, backend)
     if longest:
         context = 256  # for the checks below; the engine's plan finds the longest
@@ -91,6 +92,8 @@ def build_plan(
         raise InvalidOptionError(f"--context must be at least 1, got {context}")
     path = resolve_plan_model(model, store)
     inventory = take_inventory(path, quant=quant)
+    if backend != "int4":
+        inventory = with_kv_type(inventory, kv_cache)
     if backend == "int4" and inventory.source == "gguf":
         raise InvalidOptionError(
             "the int4 backend runs int4-stream artifacts, not GGUF files",

@@ -24,7 +24,6 @@ from gemmactl.plan.profile import HardwareProfile
 
 UBATCH = 512  # llama.cpp's default micro-batch: sizes the compute buffers
 KV_PAD = 256  # llama.cpp pads KV cache sizes to this many cells
-KV_ELEMENT_BYTES = 2  # f16 K and V
 PROMPT_TOKENS = 512  # TTFT is predicted for a prompt of this length
 
 
@@ -101,7 +100,9 @@ def kv_cells(layer: LayerInventory, shape, context: int, parallel: int, *, swa_f
 
 
 def kv_bytes(layer: LayerInventory, cells: int) -> int:
-    return cells * layer.kv_heads * (layer.head_dim_k + layer.head_dim_v) * KV_ELEMENT_BYTES
+    """The layer's K and V for cells positions, at its cache type's bytes a value (f16 unless the
+    inventory says otherwise: plan/inventory.with_kv_type)."""
+    return math.ceil(cells * layer.kv_heads * (layer.head_dim_k + layer.head_dim_v) * layer.kv_value_bytes)
 
 
 def _pad(cells: int) -> int:

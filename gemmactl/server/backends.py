@@ -210,6 +210,11 @@ class InProcessBackend:
         self.pid = None
         self.url = None
         self.info = BackendInfo(self.kind, self.model_path, list(tiers), 1, context, note)
+        speculator = getattr(loaded, "speculator", None)
+        if speculator is not None:
+            tuner = speculator.tuner
+            self.info.speculative = (f"engine draft {speculator.draft_path}, "
+                                     f"{'tuned' if tuner.fixed is None else 'fixed'} k≤{tuner.k_max}")
 
     def start(self) -> None:
         pass
@@ -253,7 +258,11 @@ class InProcessSession(PromptedBackend):
 
     def counters(self) -> dict:
         # Every in-process generation starts from an empty cache (prefix reuse is wrong on Gemma there).
-        return {"cached_tokens": 0, "draft_tokens": 0, "draft_accepted": 0}
+        # The engine's speculation reports the last generation's drafts (one request at a time here).
+        speculator = getattr(self.loaded, "speculator", None)
+        stats = speculator.stats if speculator is not None else None
+        return {"cached_tokens": 0, "draft_tokens": stats.drafted if stats else 0,
+                "draft_accepted": stats.kept if stats else 0}
 
     def close(self) -> None:
         pass

@@ -97,6 +97,8 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
             unavailable[name] = f"{exc.message}.{hint or (' ' + exc.hint if exc.hint else '')}"
             continue
         slots, slots_note = tier.parallel, ""
+        engine_draft = (kind == "int4" and speculative and tier.speculative is not None
+                        and tier.speculative.enabled and tier.speculative.kind == "draft")
         if kind == "llamacpp" and server_binary is not None:
             if slots == "auto":
                 slots, slots_note = auto_slots(path, tier.context, store)
@@ -107,8 +109,6 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
             if kind == "llamacpp":
                 warnings.append(f"tier {name}: no llama.cpp build with llama-server, so it runs in process, one "
                                 "request at a time, without prompt caching; run `gemmactl build` for the server")
-            engine_draft = (kind == "int4" and speculative and tier.speculative is not None
-                            and tier.speculative.enabled and tier.speculative.kind == "draft")
             if tier.speculative and tier.speculative.enabled and speculative and not engine_draft:
                 warnings.append(f"tier {name}: speculative decoding needs llama-server (or an int4 tier with a "
                                 "draft model); it is off for this tier")
@@ -261,7 +261,7 @@ class Service:
             def place(workers: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
                 # The placement `run` would use, with this tier's slots.
                 placed = gpu_placement(plan.model.path, plan.context, parallel=plan.parallel, store=self.store,
-                                       vram=plan.vram, rpc=workers)
+                                       vram=plan.vram, rpc=workers, kv_cache=plan.kv_cache)
                 note = f"planned: {placed.reason}" if placed.applied else placed.reason
                 return placed.llama_server_args, f"{note}; {plan.slots_note}" if plan.slots_note else note
 

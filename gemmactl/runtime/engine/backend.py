@@ -135,8 +135,8 @@ class EngineBackend(HfTokenizerText):
                 for begin in range(0, n, CHUNK):
                     stop = min(n, begin + CHUNK)
                     logits = model.step(tokens[begin:stop], torch.arange(begin, stop, device=device), stop)
-                if self.speculator is not None:  # the draft reads the prompt too (part of TTFT)
-                    self.speculator.prefill_draft(tokens, CHUNK)
+                if self.speculator is not None:  # the draft reads the prompt when first asked to draft
+                    self.speculator.begin(list(prompt.tokens), CHUNK)
                 token = pick(logits, recent, request, generator)
                 first = int(token)  # waits for prefill: its time is TTFT's
                 prefill_s = time.perf_counter() - start

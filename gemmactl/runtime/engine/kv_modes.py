@@ -18,6 +18,9 @@ ENGINE_MODES = ("bf16", "int8", "tq4", "tq3")
 LLAMACPP_MODES = ("f16", "q8_0", "q4_0")
 DEFAULT_MODE = "bf16"
 _BITS = {"int8": 8, "tq4": 4, "tq3": 3}
+# llama.cpp's cache types, bytes a value: f16, and ggml's blocks of 32 values (q8_0: 32 int8 and an
+# f16 scale; q4_0: 16 bytes of nibbles and an f16 scale).
+LLAMACPP_VALUE_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
 
 def vector_bytes(mode: str, head_dim: int, dtype_bytes: int = 2) -> int:

@@ -32,7 +32,9 @@ import torch
 from gemmactl.runtime.base import REPEAT_LAST_N
 from gemmactl.runtime.engine.sampler import penalized, probabilities
 
-PROBE_EVERY = 32  # plain tokens between probes while speculation is off
+PROBE_EVERY = 32  # plain tokens before the first probe while speculation is off; doubles after each failed probe
+PROBE_EVERY_MAX = 1024
+PROBE_K = 2  # drafts in a probing round (a bad draft costs least at a short length)
 DECAY = 0.9  # weight of the past in the acceptance counts and step times, per round
 PLAIN_FIRST = 2  # plain steps that measure the target's own rate before the first round
 
@@ -56,6 +58,8 @@ class Tuner:
     t_draft: float | None = None  # s per draft step
     t_extra: float | None = None  # s a verify step costs per draft beyond a plain step
     plain_since: int = 0  # plain tokens since speculation was last tried
+    probe_every: int = PROBE_EVERY  # plain tokens between probes now (doubles after each failed one)
+    probed: bool = False  # the last round was a probe whose verdict is still to be drawn
     decisions: dict = field(default_factory=lambda: {"on": 0, "off": 0})
 
     @property
@@ -73,15 +77,22 @@ class Tuner:
         if self.t_plain is None or self.plain_since < PLAIN_FIRST and self.t_draft is None:
             return 0  # measure the target's own step first
         if self.t_draft is None or self.alpha is None:
-            return cap  # the first round: measures the draft, the verify step and acceptance
+            return self._probe(cap)  # the first round: measures the draft, the verify step and acceptance
         k, rate = self.best(cap)
         if rate > 1.0 / self.t_plain:
             self.decisions["on"] += 1
+            self.probed, self.probe_every = False, PROBE_EVERY
             return k
         self.decisions["off"] += 1
-        if self.plain_since >= PROBE_EVERY:
-            return max(1, k)  # try again: the text may have become easier to draft
+        if self.probed:  # a probe that did not pay: wait twice as long before the next
+            self.probed, self.probe_every = False, min(2 * self.probe_every, PROBE_EVERY_MAX)
+        if self.plain_since >= self.probe_every:
+            return self._probe(cap)  # try again: the text may have become easier to draft
         return 0
+
+    def _probe(self, cap: int) -> int:
+        self.probed = True
+        return min(PROBE_K, cap)
 
     def best(self, cap: int) -> tuple[int, float]:
         """(k, predicted tokens per second) of the best draft length up to cap."""
@@ -117,7 +128,8 @@ class Tuner:
                 "acceptance_estimate": None if self.alpha is None else round(self.alpha, 3),
                 "plain_step_ms": ms(self.t_plain), "draft_step_ms": ms(self.t_draft),
                 "verify_extra_ms_per_draft": ms(self.t_extra), "predicted_speedup": predicted,
-                "rounds_on": self.decisions["on"], "rounds_off": self.decisions["off"]}
+                "rounds_on": self.decisions["on"], "rounds_off": self.decisions["off"],
+                "probe_every": self.probe_every}
 
 
 def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafted: list[int], generator) -> tuple[int, int]:
@@ -144,12 +156,14 @@ class RoundStats:
     plain_steps: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    catch_up_s: float = 0.0  # the draft reading the prompt and plainly decoded tokens
 
     def to_dict(self) -> dict:
         return {"rounds": self.rounds, "drafted": self.drafted, "kept": self.kept,
                 "acceptance": round(self.kept / self.drafted, 4) if self.drafted else None,
                 "tokens_per_round": round((self.kept + self.rounds) / self.rounds, 3) if self.rounds else None,
-                "plain_steps": self.plain_steps, "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4)}
+                "plain_steps": self.plain_steps, "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4),
+                "catch_up_s": round(self.catch_up_s, 4)}
 
 
 class Speculator:
@@ -161,16 +175,13 @@ class Speculator:
         self.stats = RoundStats()
         self.draft_path: str | None = None
 
-    def prefill_draft(self, tokens: torch.Tensor, chunk: int) -> None:
-        """The draft reads the prompt (it starts from position 0, like the target)."""
+    def begin(self, prompt: list[int], chunk: int) -> None:
+        """A new sequence: the draft forgets the last one and will read this prompt when the tuner
+        first asks it to draft (never, if speculation stays off: no prefill is spent on it)."""
         self.draft.reset()
         self._draft_len = 0
-        self._pending: list[int] = []
-        n = tokens.numel()
-        for begin in range(0, n, chunk):
-            stop = min(n, begin + chunk)
-            self.draft.step(tokens[begin:stop], torch.arange(begin, stop, device=self.draft.device), stop)
-        self._draft_len = n
+        self._pending = list(prompt)
+        self._chunk = chunk
 
     def tokens(self, token: int, position: int, history: list[int], request, generator, plain_step, context: int):
         """Token ids after `token` (the first generated, at `position`), without end.
@@ -179,7 +190,7 @@ class Speculator:
         plain_step(token, position) → logits [V]: the target's own decode step.
         """
         self.stats = RoundStats()
-        self._pending = [token]
+        self._pending.append(token)
         device = self.target.device
         while True:
             k = self.tuner.next_k(context - position - 1)
@@ -195,9 +206,9 @@ class Speculator:
                 history.append(token)
                 yield token
                 continue
-            start = time.perf_counter()
+            start, caught_up = time.perf_counter(), self.stats.catch_up_s
             drafted, q_rows = self._draft(k, history, request, generator)
-            draft_s = time.perf_counter() - start
+            draft_s = time.perf_counter() - start - (self.stats.catch_up_s - caught_up)
             start = time.perf_counter()
             tokens = torch.tensor([token] + drafted, dtype=torch.long, device=device)
             logits = self.target.step(tokens, torch.arange(position, position + k + 1, device=device),
@@ -229,6 +240,17 @@ class Speculator:
         device = self.draft.device
         draft_history = list(history)
         drafted, q_rows = [], []
+        if len(self._pending) > 2:  # catching up (the prompt, plain steps): timed apart from drafting
+            start = time.perf_counter()
+            behind = self._pending[:-1]
+            for begin in range(0, len(behind), self._chunk):
+                part = behind[begin:begin + self._chunk]
+                at = self._draft_len
+                self.draft.step(torch.tensor(part, dtype=torch.long, device=device),
+                                torch.arange(at, at + len(part), device=device), at + len(part))
+                self._draft_len = at + len(part)
+            self._pending = self._pending[-1:]
+            self.stats.catch_up_s += time.perf_counter() - start
         feed = self._pending
         for _ in range(k):
             start = self._draft_len
