@@ -11,10 +11,12 @@ draft of the target's own size never pays on a machine where a step costs the sa
 what this measures there is acceptance, the cost of speculating at fixed k, and whether the tuner
 sees that and stays near plain decoding (the goal: never below 0.97× plain).
 
-For each prompt (prose, code) and draft: plain decoding, speculation at each fixed k, and tuned;
-greedy, --tokens tokens, median of --repeats after one warm-up; decode-only tok/s (tokens after
-the first ÷ the time after it) and wall tok/s (with prefill), each as a ratio to plain decoding
-in the same process, the acceptance, and whether the text equals plain decoding's.
+For each prompt (prose, code) and draft: speculation at each fixed k, and tuned, each run paired
+with a plain run just before it (the plain model stays loaded beside), so a 2-core machine's drift
+does not enter the ratio; greedy, --tokens tokens, one warm-up, then --repeats pairs; the median
+of the pairs' ratios for decode-only tok/s (tokens after the first ÷ the time after it) and wall
+tok/s (with prefill), the acceptance, and whether the text equals plain decoding's. The tuner
+keeps what it learned across a mode's runs, as a loaded tier does.
 """
 
 from __future__ import annotations
@@ -80,19 +82,23 @@ def measure(backend, request) -> dict:
             "tokens": stats.generated_tokens, "speculation": spec}
 
 
-def run_mode(target: str, draft, request, repeats: int) -> dict:
+def run_mode(plain, target: str, draft, request, repeats: int) -> dict:
+    """The mode's runs, each after a plain run of the same request on the loaded plain backend."""
     from gemmactl.runtime.engine.backend import EngineBackend
 
     backend = EngineBackend(target, context_size=1024, draft=draft)
-    measure(backend, replace(request, max_tokens=8))  # warm-up (and the tuner's first figures)
-    runs = [measure(backend, request) for _ in range(repeats)]
-    row = {key: statistics.median(r[key] for r in runs) for key in ("decode_tok_s", "wall_tok_s")}
-    row["text"] = runs[0]["text"]
-    if runs[0]["speculation"] is not None:
-        spec = runs[-1]["speculation"]
-        row.update(acceptance=spec["acceptance"], rounds=spec["rounds"], plain_steps=spec["plain_steps"],
-                   tokens_per_round=spec["tokens_per_round"])
-        row["tuner"] = backend.speculator.tuner.summary()
+    measure(backend, replace(request, max_tokens=8))  # warm-up
+    pairs = [(measure(plain, request), measure(backend, request)) for _ in range(repeats)]
+    row = {}
+    for key in ("decode_tok_s", "wall_tok_s"):
+        row[key] = statistics.median(run[key] for _, run in pairs)
+        row["plain_" + key] = statistics.median(base[key] for base, _ in pairs)
+        row[key.removesuffix("_tok_s") + "_vs_plain"] = round(statistics.median(run[key] / base[key]
+                                                                                for base, run in pairs), 3)
+    row["same_text"] = all(run["text"] == base["text"] for base, run in pairs)
+    spec = pairs[-1][1]["speculation"]
+    row.update(acceptance=spec["acceptance"], rounds=spec["rounds"], plain_steps=spec["plain_steps"],
+               tokens_per_round=spec["tokens_per_round"], tuner=backend.speculator.tuner.summary())
     backend.close()
     return row
 
@@ -109,6 +115,7 @@ def main() -> None:
     import torch
 
     from gemmactl.runtime.base import GenerationRequest
+    from gemmactl.runtime.engine.backend import EngineBackend
     from gemmactl.runtime.engine.draft import DraftSettings
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -117,22 +124,19 @@ def main() -> None:
               "load_average_start": os.getloadavg(), "prompts": {}}
     for prompt_name, prompt in PROMPTS.items():
         request = GenerationRequest(prompt=prompt, temperature=0, max_tokens=args.tokens, raw=True, repeat_penalty=1.0)
-        plain = run_mode(target, None, request, args.repeats)
-        rows = {"plain": plain}
+        plain = EngineBackend(target, context_size=1024)
+        measure(plain, replace(request, max_tokens=8))  # warm-up
+        rows = {}
         for noise in args.noise:
             ckpt = perturbed(args.checkpoint, args.work / f"noise-{noise:g}", noise)
             draft = str(quantized(ckpt, args.work / f"draft-noise-{noise:g}-g128", 128, "int4"))
             for k in args.k:
-                rows[f"noise {noise:g}, k={k}"] = run_mode(target, DraftSettings(draft, k_max=k, tune=False), request,
-                                                            args.repeats)
-            rows[f"noise {noise:g}, tuned k≤{max(args.k)}"] = run_mode(target, DraftSettings(draft, k_max=max(args.k)),
+                rows[f"noise {noise:g}, k={k}"] = run_mode(plain, target, DraftSettings(draft, k_max=k, tune=False),
+                                                            request, args.repeats)
+            rows[f"noise {noise:g}, tuned k≤{max(args.k)}"] = run_mode(plain, target,
+                                                                       DraftSettings(draft, k_max=max(args.k)),
                                                                        request, args.repeats)
-        plain_text = plain["text"]
-        for name, row in rows.items():
-            row["same_text"] = row.pop("text") == plain_text
-            if name != "plain":
-                row["decode_vs_plain"] = round(row["decode_tok_s"] / plain["decode_tok_s"], 3)
-                row["wall_vs_plain"] = round(row["wall_tok_s"] / plain["wall_tok_s"], 3)
+        plain.close()
         result["prompts"][prompt_name] = rows
     result["load_average_end"] = os.getloadavg()
     print(json.dumps(result, indent=1))

@@ -173,6 +173,7 @@ def test_llama_cpp_plans_size_the_kv_for_the_cache_type(embedded_gguf, model_hom
         kv[mode] = sum(layer.kv_bytes for layer in plan.layers)
     assert kv[None] == kv["f16"] > 0
     assert abs(kv["q8_0"] / kv["f16"] - 34 / 64) < 1e-3 and abs(kv["q4_0"] / kv["f16"] - 18 / 64) < 1e-3
-    result = invoke(runner, ["plan", str(embedded_gguf), "--hardware", "desktop-4g", "--kv-cache", "q4_0", "--json"])
+    result = invoke(runner, ["plan", str(embedded_gguf), "--hardware", "desktop-4g", "--vram", "3G", "--context", "4096", "--kv-cache", "q4_0",
+                             "--json"])
     assert result.exit_code == 0, result.output
-    assert sum(layer["kv_bytes"] for layer in json.loads(result.output)["layers"]) < kv["f16"]
+    assert sum(layer["bytes"]["kv"] for layer in json.loads(result.output)["layers"]) == kv["q4_0"]
