@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gemmactl.errors import InvalidOptionError
-from gemmactl.generate import (RunSpec, check_backend, draft_settings_for, expert_settings_for, make_request, open_backend,
-                               resolve_run_model, route_prompt)
+from gemmactl.generate import (RunSpec, backend_for, check_backend, draft_settings_for, expert_settings_for,
+                               make_request, open_backend, resolve_run_model, route_prompt)
 from gemmactl.recipes import Recipe
 from gemmactl.runtime.base import Backend, GenerationStats, Piece, stream_generate
 from gemmactl.store import Store
@@ -88,7 +88,9 @@ class ChatSession:
         if key not in self._backends:
             self._backends[key] = open_backend(model, context=spec.tier.context, store=self.store, vram=spec.tier.vram,
                                                experts=expert_settings_for(spec.tier), kv_cache=spec.tier.kv_cache,
-                                               yarn=spec.tier.yarn, draft=draft_settings_for(spec.tier, self.store))
+                                               yarn=spec.tier.yarn,
+                                               draft=draft_settings_for(spec.tier, self.store,
+                                                                        engine=backend_for(model) == "int4"))
         return self._backends[key]
 
     def close(self) -> None:

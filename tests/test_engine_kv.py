@@ -176,4 +176,7 @@ def test_llama_cpp_plans_size_the_kv_for_the_cache_type(embedded_gguf, model_hom
     result = invoke(runner, ["plan", str(embedded_gguf), "--hardware", "desktop-4g", "--vram", "3G", "--context", "4096", "--kv-cache", "q4_0",
                              "--json"])
     assert result.exit_code == 0, result.output
-    assert sum(layer["bytes"]["kv"] for layer in json.loads(result.output)["layers"]) == kv["q4_0"]
+    data = json.loads(result.output)
+    assert sum(layer["bytes"]["kv"] for layer in data["layers"]) == kv["q4_0"]
+    argv = " ".join(data["llama_cpp_args"]["argv"])
+    assert "-ctk q4_0 -ctv q4_0 -fa on" in argv

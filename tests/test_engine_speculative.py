@@ -19,7 +19,7 @@ from gemmactl.formats.int4.quantize import quantize_checkpoint
 from gemmactl.formats.int4.reader import open_artifact
 from gemmactl.runtime.engine.model import GemmaModel
 from gemmactl.runtime.engine.sampler import pick
-from gemmactl.runtime.engine.speculative import PROBE_EVERY, Speculator, Tuner, accept_sampled, expected_tokens
+from gemmactl.runtime.engine.speculative import PROBE_EVERY, REFRESH_EVERY, Speculator, Tuner, accept_sampled, expected_tokens
 
 PROMPT = [2, 818, 5279, 529, 7001, 563, 496, 1401]
 STEPS = 40  # past the 16-token window, with rounds straddling it
@@ -150,7 +150,12 @@ def test_tuner_speculates_when_it_pays_and_stops_when_it_loses():
         tuner.record_round(4, 4, draft_s=4 * 0.001, verify_s=0.012)
     k = tuner.next_k(100)
     assert k >= 3 and tuner.summary()["speculating"]
-    for _ in range(30):  # now every draft is rejected
+    for _ in range(REFRESH_EVERY):  # a long run of rounds: one plain step keeps the plain rate measured
+        tuner.record_round(4, 4, draft_s=4 * 0.001, verify_s=0.012)
+    assert tuner.next_k(100) == 0
+    tuner.record_plain(0.010)
+    assert tuner.next_k(100) == k
+    for _ in range(60):  # now every draft is rejected
         tuner.record_round(k, 0, draft_s=k * 0.001, verify_s=0.012)
     assert tuner.next_k(100) == 0 and not tuner.summary()["speculating"]
     for _ in range(PROBE_EVERY):

@@ -243,11 +243,11 @@ def _speculative(config: BenchConfig, tier, store: Store) -> tuple[tuple[str, ..
 
 def _load_fitting(model, tier, request, prompts, config: BenchConfig, store: Store):
     """gemmactl's backend with a context that holds the longest prompt plus --max-tokens (and why, if raised)."""
-    from gemmactl.generate import draft_settings_for, expert_settings_for, open_backend
+    from gemmactl.generate import backend_for, draft_settings_for, expert_settings_for, open_backend
 
     backend = open_backend(model, context=config.context or tier.context, store=store, vram=tier.vram, rpc=tier.rpc,
                            experts=expert_settings_for(tier), kv_cache=tier.kv_cache, yarn=tier.yarn,
-                           draft=draft_settings_for(tier, store))
+                           draft=draft_settings_for(tier, store, engine=backend_for(model) == "int4"))
     try:
         longest = max(len(backend.prepare(replace(request, prompt=p.text)).tokens) for p in _all_prompts(prompts, config))
     except BaseException:
@@ -267,7 +267,7 @@ def _load_fitting(model, tier, request, prompts, config: BenchConfig, store: Sto
     # llama_cpp is imported by now with the library chosen for the first load: select_library reuses it.
     return open_backend(model, context=_round_up(needed), store=store, vram=tier.vram, rpc=tier.rpc,
                         experts=expert_settings_for(tier), kv_cache=tier.kv_cache, yarn=tier.yarn,
-                        draft=draft_settings_for(tier, store)), note
+                        draft=draft_settings_for(tier, store, engine=backend_for(model) == "int4")), note
 
 
 def _extra_buffers() -> bool:

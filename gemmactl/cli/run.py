@@ -48,8 +48,8 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
       gemmactl run "quick: What is the capital of France?"
       echo "deep: prove that sqrt(2) is irrational" | gemmactl run --stats
     """
-    from gemmactl.generate import (draft_settings_for, expert_settings_for, open_backend, plan_run, resolve_run_model,
-                                   stream_generate)
+    from gemmactl.generate import (backend_for, draft_settings_for, expert_settings_for, open_backend, plan_run,
+                                   resolve_run_model, stream_generate)
     from gemmactl.recipes import resolve_recipe
     from gemmactl.runtime.base import GenerationStats
     from gemmactl.store import Store
@@ -71,7 +71,8 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
     with byte_progress("assembling the embedded model", progress_enabled(json_mode)) as progress:
         resolved = resolve_run_model(spec, store, progress=progress)
     experts = expert_settings_for(spec.tier, expert_cache, expert_policy, expert_prefetch)
-    speculation = draft_settings_for(spec.tier, store, draft, draft_max, draft_tune)
+    speculation = draft_settings_for(spec.tier, store, draft, draft_max, draft_tune,
+                                     engine=backend_for(resolved) == "int4")
     backend = open_backend(resolved, context=spec.tier.context, store=store, vram=spec.tier.vram,
                            rpc=workers or spec.tier.rpc, experts=experts, kv_cache=kv_cache or spec.tier.kv_cache,
                            yarn=yarn or spec.tier.yarn, draft=speculation)

@@ -51,6 +51,7 @@ class Inventory:
     layers: list[LayerInventory]
     globals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GLOBAL_KINDS, 0))
     global_params: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GLOBAL_KINDS, 0))
+    kv_type: str = "f16"  # llama.cpp's cache type the layers' kv_value_bytes are for (with_kv_type)
     ignored_bytes: int = 0  # vision/audio towers: not part of text decoding
 
     @property
@@ -289,4 +290,4 @@ def with_kv_type(inventory: "Inventory", mode: str | None) -> "Inventory":
     if mode is None:
         return inventory
     size = LLAMACPP_VALUE_BYTES[mode]
-    return replace(inventory, layers=[replace(layer, kv_value_bytes=size) for layer in inventory.layers])
+    return replace(inventory, layers=[replace(layer, kv_value_bytes=size) for layer in inventory.layers], kv_type=mode)

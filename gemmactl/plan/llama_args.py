@@ -32,15 +32,20 @@ def llama_cpp_args(plan: Plan) -> dict:
         "-c": plan.context * plan.parallel,
         "-np": plan.parallel,
         "-ub": UBATCH,
-        "-ctk": "f16",
-        "-ctv": "f16",
+        "-ctk": plan.inventory.kv_type,
+        "-ctv": plan.inventory.kv_type,
         "--swa-full": False,
         "--fit": "off",
     }
     argv = ["-ngl", str(args["-ngl"])]
     for value in args["-ot"]:
         argv += ["-ot", value]
-    argv += ["-c", str(args["-c"]), "-np", str(args["-np"]), "-ub", str(UBATCH), "-ctk", "f16", "-ctv", "f16", "--fit", "off"]
+    kv = plan.inventory.kv_type
+    argv += ["-c", str(args["-c"]), "-np", str(args["-np"]), "-ub", str(UBATCH), "-ctk", kv, "-ctv", kv]
+    if kv != "f16":  # llama.cpp keeps a quantized V only with flash attention
+        args["-fa"] = "on"
+        argv += ["-fa", "on"]
+    argv += ["--fit", "off"]
     args["argv"] = argv
     return args
 

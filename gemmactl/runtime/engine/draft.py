@@ -74,6 +74,10 @@ def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str])
         notices.append(f"the draft {draft.path} could not be loaded on {backend.device} ({_first_line(exc)}); "
                        "running without speculation")
         return None
+    if model.spec.vocab != backend.model.spec.vocab:  # same tokenizer, another (padded) logits width
+        raise InvalidOptionError(
+            f"the draft {draft.path} scores {model.spec.vocab:,} tokens and the model {backend.model_path} "
+            f"{backend.model.spec.vocab:,}", hint="A draft must share its target's vocabulary and output width.")
     speculator = Speculator(backend.model, model, Tuner(draft.k_max, fixed=None if draft.tune else draft.k_max), step)
     speculator.draft_path = draft.path
     return speculator

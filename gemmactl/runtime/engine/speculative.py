@@ -7,7 +7,9 @@ and the target's own choice at that position (or after the last draft, when all 
 with them, so a round yields 1 to k + 1 tokens for one target step.
 
 - Greedy: a draft is kept when it is the target's argmax (after the repeat penalty over the
-  tokens before it), so the tokens are exactly plain decoding's.
+  tokens before it), so the tokens are plain decoding's. (The rule is exact; a k+1-token step may
+  round differently from k+1 one-token steps, other kernels or another summation order, which
+  could move a near-tie: equal on the CPU in the tests, not yet measured on a GPU.)
 - Sampled: the standard rejection rule (Leviathan et al. 2023; Chen et al. 2023): a draft x drawn
   from q is kept with probability min(1, p(x)/q(x)); at the first rejection a token is drawn from
   max(0, p − q) renormalized; so every token is distributed as p, the target's own distribution
@@ -37,6 +39,7 @@ PROBE_EVERY_MAX = 1024
 PROBE_K = 2  # drafts in a probing round (a bad draft costs least at a short length)
 DECAY = 0.9  # weight of the past in the acceptance counts and step times, per round
 PLAIN_FIRST = 2  # plain steps that measure the target's own rate before the first round
+REFRESH_EVERY = 64  # rounds between plain steps that keep the plain rate current while speculating
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -58,6 +61,7 @@ class Tuner:
     t_draft: float | None = None  # s per draft step
     t_extra: float | None = None  # s a verify step costs per draft beyond a plain step
     plain_since: int = 0  # plain tokens since speculation was last tried
+    rounds_since_plain: int = 0  # rounds since the last plain step
     probe_every: int = PROBE_EVERY  # plain tokens between probes now (doubles after each failed one)
     probed: bool = False  # the last round was a probe whose verdict is still to be drawn
     decisions: dict = field(default_factory=lambda: {"on": 0, "off": 0})
@@ -82,6 +86,8 @@ class Tuner:
         if rate > 1.0 / self.t_plain:
             self.decisions["on"] += 1
             self.probed, self.probe_every = False, PROBE_EVERY
+            if self.rounds_since_plain >= REFRESH_EVERY:
+                return 0  # one plain step: the plain rate the decision compares with stays measured
             return k
         self.decisions["off"] += 1
         if self.probed:  # a probe that did not pay: wait twice as long before the next
@@ -105,6 +111,7 @@ class Tuner:
     def record_plain(self, seconds: float) -> None:
         self.t_plain = seconds if self.t_plain is None else DECAY * self.t_plain + (1 - DECAY) * seconds
         self.plain_since += 1
+        self.rounds_since_plain = 0
 
     def record_round(self, k: int, kept: int, draft_s: float, verify_s: float) -> None:
         self.accepted = DECAY * self.accepted + kept
@@ -115,6 +122,7 @@ class Tuner:
             extra = max(0.0, verify_s - self.t_plain) / k
             self.t_extra = extra if self.t_extra is None else DECAY * self.t_extra + (1 - DECAY) * extra
         self.plain_since = 0
+        self.rounds_since_plain += 1
 
     def summary(self) -> dict:
         speculating = self.fixed is not None or (self.t_plain is not None and self.t_draft is not None
@@ -182,6 +190,7 @@ class Speculator:
         self._draft_len = 0
         self._pending = list(prompt)
         self._chunk = chunk
+        self.stats = RoundStats()  # a generation that ends on its first token made no rounds
 
     def tokens(self, token: int, position: int, history: list[int], request, generator, plain_step, context: int):
         """Token ids after `token` (the first generated, at `position`), without end.
@@ -238,7 +247,7 @@ class Speculator:
     def _draft(self, k: int, history: list[int], request, generator) -> tuple[list[int], torch.Tensor | None]:
         """k drafts (and their distributions when sampling), after the draft reads its pending tokens."""
         device = self.draft.device
-        draft_history = list(history)
+        draft_history = history[-REPEAT_LAST_N:]
         drafted, q_rows = [], []
         if len(self._pending) > 2:  # catching up (the prompt, plain steps): timed apart from drafting
             start = time.perf_counter()
@@ -278,7 +287,8 @@ class Speculator:
         device = logits.device
         rows = []
         for i in range(len(drafted) + 1):
-            recent = torch.tensor((history + drafted[:i])[-REPEAT_LAST_N:], dtype=torch.long, device=device)
+            recent = torch.tensor((history[-REPEAT_LAST_N:] + drafted[:i])[-REPEAT_LAST_N:], dtype=torch.long,
+                                  device=device)
             if request.temperature == 0:
                 choice = int(torch.argmax(penalized(logits[i], recent, request)))
                 if i == len(drafted) or choice != drafted[i]:
