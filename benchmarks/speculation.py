@@ -30,6 +30,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import engine_cpu  # benchmarks/engine_cpu.py, beside this script
+
 PROMPTS = {
     "prose": "The old lighthouse keeper climbed the stairs every evening. He lit the lamp, watched the ships, and",
     "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n",
@@ -69,17 +71,11 @@ def quantized(checkpoint: Path, out: Path, group: int, sensitive: str) -> Path:
 
 
 def measure(backend, request) -> dict:
-    from gemmactl.runtime.base import GenerationStats, stream_generate
-
-    text, stats = [], None
-    for event in stream_generate(backend, request):
-        if isinstance(event, GenerationStats):
-            stats = event
-        else:
-            text.append(event.text)
-    spec = backend.speculator.stats.to_dict() if getattr(backend, "speculator", None) is not None else None
-    return {"text": "".join(text), "decode_tok_s": stats.decode_tok_s, "wall_tok_s": stats.wall_tok_s,
-            "tokens": stats.generated_tokens, "speculation": spec}
+    """engine_cpu.py's measurement, with the run's speculation counters."""
+    row = engine_cpu.measure(backend, request)
+    speculator = getattr(backend, "speculator", None)
+    row["speculation"] = speculator.stats.to_dict() if speculator is not None else None
+    return row
 
 
 def run_mode(plain, target: str, draft, request, repeats: int) -> dict:

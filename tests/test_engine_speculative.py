@@ -9,8 +9,6 @@ without the repeat penalty. The sampled rule is checked statistically on small d
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -26,13 +24,11 @@ STEPS = 40  # past the 16-token window, with rounds straddling it
 CONTEXT = 64
 
 
-@dataclass
-class Request:
-    temperature: float = 0.0
-    repeat_penalty: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
+def Request(repeat_penalty: float = 1.0):  # noqa: N802 - reads like the request it makes
+    """A greedy request, as the backend gets it."""
+    from gemmactl.runtime.base import GenerationRequest
+
+    return GenerationRequest(prompt="-", temperature=0.0, repeat_penalty=repeat_penalty)
 
 
 @pytest.fixture(scope="module")
