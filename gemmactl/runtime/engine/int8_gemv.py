@@ -6,22 +6,56 @@ torch's CUDA `_weight_int8pack_mm` loops over K in one thread per output (59 tok
 shape), and torch.compile's fusion of a multiply and a row sum ran the step at 288 tok/s against
 344 for bfloat16 copies in cuBLAS (docs/benchmarks.md). This kernel is the plain GEMV: each
 program owns a block of rows, walks K in tiles, and accumulates in float32; Triton is the
-well-kept route to it (it ships with torch's CUDA wheels). One tile for every shape, and K split
-for matrices with few rows, rather than Triton's autotuner: autotuning times each candidate with
-a 256 MB cache-flush buffer on the GPU, which would break the plan's memory budget at the first
-step of every shape. It is a torch
-custom op, so torch.compile keeps it whole in the fused step and the CUDA graph replays it.
+well-kept route to it (it ships with torch's CUDA wheels). Its tiles were measured shape by shape
+on the H200 (benchmarks/int8_gemv_sweep.py) and are fixed by shape here, with K split for
+matrices with few rows, rather than left to Triton's autotuner: autotuning times each candidate
+with a 256 MB cache-flush buffer on the GPU, which would break the plan's memory budget at the
+first step of every shape. It is a torch custom op, so torch.compile keeps it whole in the fused
+step and the CUDA graph replays it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from typing import NamedTuple
 
 import torch
 
+TILE_ENV = "GEMMACTL_INT8_TILE"  # "ROWS,COLS,WARPS[,PROGRAMS]": one tile for every shape, to measure one
 
-BLOCK_N, BLOCK_K = 16, 256  # a program's tile: 4 KB of codes, 32 bytes a thread at 4 warps
-PROGRAMS_PER_SM = 4  # enough programs in flight to keep the memory system busy
+
+class Tile(NamedTuple):
+    rows: int  # BLOCK_N: rows a program owns
+    cols: int  # BLOCK_K: columns it reads per iteration
+    warps: int
+    programs_per_sm: int = 4  # fewer row blocks than this per multiprocessor: K is split to make more
+
+
+# Chosen by benchmarks/int8_gemv_sweep.py on the H200 over E2B's int8 matrices (docs/benchmarks.md).
+# A tall matrix (the 262,144-row head) has programs to spare and reads fastest in small tiles:
+# 131 µs (3.1 TB/s) against 150 for 16×256 and 191 for cuBLAS on its bfloat16 copy. A short, wide
+# one (down_proj, 1,536 rows by 6,144 or 12,288) wants two long rows a program: 6.3 and 10.2 µs
+# against 11.2 and 15.7 for 16×256 with K split, and 10.2 and 15.9 for cuBLAS in bfloat16.
+TALL_ROWS = 16_384
+TALL_TILE = Tile(8, 256, 2)
+WIDE_TILE = Tile(2, 2048, 4)
+
+
+@functools.cache
+def tile_for(out_features: int, in_features: int) -> Tile:
+    """The tile for a matrix: TILE_ENV when set (to measure one), else by its shape."""
+    setting = os.environ.get(TILE_ENV, "").strip()
+    if setting:
+        try:
+            tile = Tile(*(int(v) for v in setting.split(",")))
+        except (TypeError, ValueError):
+            tile = None
+        if tile is None or not all(v > 0 and v & (v - 1) == 0 for v in tile[:3]) or tile.programs_per_sm < 1:
+            raise ValueError(f"{TILE_ENV}={setting!r}: expected ROWS,COLS,WARPS[,PROGRAMS], the first three "
+                             "powers of two (e.g. 8,256,2); unset it for the engine's own tiles")
+        return tile
+    return TALL_TILE if out_features >= TALL_ROWS else WIDE_TILE
 
 
 @functools.cache
@@ -35,28 +69,32 @@ def _kernel():
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         row_ok = rows < N
         first = tl.program_id(1) * K_PER  # this program's share of K (split-K for short matrices)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        # Products accumulate element-wise and are summed across the tile once, at the end: a
+        # reduction per iteration would put a cross-thread sum between every two loads.
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for offset in range(0, K_PER, BLOCK_K):
             cols = first + offset + tl.arange(0, BLOCK_K)  # [BK]
-            col_ok = cols < K
+            col_ok = cols < K  # K_PER is a whole number of tiles
             x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BK]
             q = tl.load(q_ptr + rows[:, None] * stride_q + cols[None, :],
                         mask=row_ok[:, None] & col_ok[None, :], other=0).to(tl.float32)  # [BN, BK]
-            acc += tl.sum(q * x[None, :], axis=1)
+            acc += q * x[None, :]
         scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + tl.program_id(1) * N + rows, (acc * scale).to(y_ptr.dtype.element_ty), mask=row_ok)
+        total = tl.sum(acc, axis=1)
+        tl.store(y_ptr + tl.program_id(1) * N + rows, (total * scale).to(y_ptr.dtype.element_ty), mask=row_ok)
 
     return triton, int8_rows_gemv
 
 
 @functools.cache
-def split(out_features: int, in_features: int, sms: int) -> tuple[int, int]:
+def split(out_features: int, in_features: int, sms: int, tile: Tile | None = None) -> tuple[int, int]:
     """(splits, columns per split): a matrix with too few row blocks to give every multiprocessor
-    PROGRAMS_PER_SM programs (v_proj, down_proj) splits K, and its partial sums are added after."""
-    row_blocks = -(-out_features // BLOCK_N)
-    tiles = -(-in_features // BLOCK_K)
-    splits = max(1, min(tiles, -(-PROGRAMS_PER_SM * sms // row_blocks)))
-    per = -(-tiles // splits) * BLOCK_K
+    the tile's programs (v_proj, down_proj) splits K, and its partial sums are added after."""
+    tile = tile or tile_for(out_features, in_features)
+    row_blocks = -(-out_features // tile.rows)
+    tiles = -(-in_features // tile.cols)
+    splits = max(1, min(tiles, -(-tile.programs_per_sm * sms // row_blocks)))
+    per = -(-tiles // splits) * tile.cols
     return -(-in_features // per), per
 
 
@@ -77,14 +115,15 @@ def int8_rows_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor)
     """x [in] (one token) · (qweight [out, in] int8 × scales [out]) → [out] in x's dtype."""
     triton, kernel = _kernel()
     out_features, in_features = qweight.shape
-    splits, per = split(out_features, in_features, _sms(x.device))
+    tile = tile_for(out_features, in_features)
+    splits, per = split(out_features, in_features, _sms(x.device), tile)
     if splits == 1:
         y = torch.empty(out_features, dtype=x.dtype, device=x.device)
     else:
         y = torch.empty((splits, out_features), dtype=torch.float32, device=x.device)
-    kernel[(triton.cdiv(out_features, BLOCK_N), splits)](x.contiguous(), qweight, scales, y, out_features, in_features,
-                                                         qweight.stride(0), per, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                                         num_warps=4)
+    kernel[(triton.cdiv(out_features, tile.rows), splits)](x.contiguous(), qweight, scales, y, out_features,
+                                                           in_features, qweight.stride(0), per, BLOCK_N=tile.rows,
+                                                           BLOCK_K=tile.cols, num_warps=tile.warps)
     return y if splits == 1 else y.sum(0).to(x.dtype)
 
 
