@@ -218,3 +218,40 @@ def test_the_kv_mode_sizes_the_caches_and_context_max_finds_the_longest(artifact
                           (["--backend", "int4", "--context", "lots"], "neither a number of tokens nor max")):
         result = invoke(runner, ["plan", str(artifact), "--hardware", "desktop-4g", *args])
         assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output, result.output
+
+
+@pytest.fixture(scope="module")
+def runnable_artifact(tiny_checkpoint, tmp_path_factory):
+    """The same arrangement with the real Gemma 4 tokenizer beside it, so the engine can answer."""
+    folder = tmp_path_factory.mktemp("engine-map-runnable")
+    quantize_checkpoint(tiny_checkpoint("e2b-tiny"), folder / "artifact", QuantizeOptions(group_size=32, shard_size=1 << 30))
+    return folder / "artifact"
+
+
+def test_plan_verify_runs_the_engine_with_its_map(runnable_artifact, runner):
+    """`plan --backend int4 --verify` decodes with the engine (on the CPU here, every layer there,
+    the prediction re-made for this machine) and reports measured against predicted."""
+    artifact = runnable_artifact
+    result = invoke(runner, ["plan", str(artifact), "--backend", "int4", "--hardware", "desktop-4g", "--verify",
+                             "--json", "--context", str(CONTEXT)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    verify = data["verify"]
+    assert verify["placement"].startswith("cpu") and verify["n_gpu_layers"] == 0
+    assert verify["engine_layers"] == {"resident": 0, "streamed": 0, "host": data["model"]["layers"]}
+    assert verify["decode_tokens"] >= 1 and verify["measured_decode_tok_s"] > 0
+    # The prediction is the engine's all-CPU cost, not the desktop-4g map's GPU rate.
+    assert verify["predicted_decode_tok_s"] != round(data["engine"]["decode_tok_s"], 2)
+    assert verify["peak_gpu_bytes"] == 0 and verify["within_budget"]
+    text = invoke(runner, ["plan", str(artifact), "--backend", "int4", "--hardware", "desktop-4g", "--verify",
+                           "--context", str(CONTEXT)])
+    assert text.exit_code == 0, text.output
+    assert "verify: measured decode" in text.stdout and "the engine ran every layer on the CPU" in text.stdout
+
+
+def test_plan_verify_for_the_engine_needs_an_artifact(tiny_gemma4, runner):
+    result = invoke(runner, ["plan", str(tiny_gemma4("dense-ple")), "--backend", "int4", "--hardware", "desktop-4g",
+                             "--quant", "int4-g32", "--context", str(CONTEXT), "--verify"])
+    assert result.exit_code != 0
+    assert "int4-stream" in result.output and "Traceback" not in result.output
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) <= 2

@@ -171,3 +171,26 @@ def test_run_on_the_int4_engine_uses_the_gpu(tiny_checkpoint, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     engine = json.loads(proc.stdout)["model"]["engine"]
     assert engine["device"].startswith("cuda") and "int4-tinygemm" in engine["kernels"] and engine["cuda_graph"]
+
+
+def test_plan_verify_holds_the_engine_to_its_budget(tiny_checkpoint, tmp_path):
+    """`plan --backend int4 --vram CAP --verify` on CUDA, CAP the least the engine's map works in
+    with this machine's profile (its measured CUDA context as the reserve): the engine loads the
+    plan's map (every layer streamed), decodes, and its peak GPU memory as nvidia-smi sees it, the
+    context included, stays inside the budget."""
+    from gemmactl.machine import detect_machine
+    from gemmactl.plan.engine_map import plan_engine
+    from gemmactl.plan.profile import machine_profile
+
+    folder = _artifact(tiny_checkpoint, tmp_path / "artifact")
+    home = tmp_path / "home"
+    profile, _ = machine_profile(home / "plan", detect_machine())  # cached there for the plan below
+    minimum = plan_engine(folder, profile, 64 << 30, 256).minimum_vram_bytes
+    proc = subprocess.run([sys.executable, "-m", "gemmactl", "plan", str(folder), "--backend", "int4", "--vram",
+                           f"{minimum}B", "--context", "256", "--verify", "--json"],
+                          capture_output=True, text=True, env={**os.environ, "GEMMACTL_HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    verify = json.loads(proc.stdout)["verify"]
+    assert verify["placement"] == "plan" and verify["engine_layers"]["resident"] == 0
+    assert verify["decode_tokens"] >= 1 and verify["measured_decode_tok_s"] > 0
+    assert 0 < verify["peak_gpu_bytes"] <= verify["budget_vram_bytes"] and verify["within_budget"]

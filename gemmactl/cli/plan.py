@@ -57,9 +57,6 @@ def plan(model, vram, ram, context, kv_cache, parallel, backend, quant, hardware
 
     if json_mode and out:
         raise click.UsageError("pass either --json or --out, not both")
-    if verify and backend == "int4":
-        raise click.UsageError("--verify runs llama.cpp's plan; measure the int4 engine with "
-                               "`gemmactl bench --model MODEL` (a tier's `vram` sets its budget)")
     if out:
         from pathlib import Path
 
@@ -80,12 +77,23 @@ def plan(model, vram, ram, context, kv_cache, parallel, backend, quant, hardware
         from gemmactl.generate import open_backend
         from gemmactl.plan.verify import verify_plan
         from gemmactl.store import Store
-        from gemmactl.store.refs import GGUF, resolve_model
+        from gemmactl.store.refs import GGUF, INT4_STREAM, resolve_model
 
         store = Store()
-        model = resolve_model(str(result.model_path), store, accept=(GGUF,))
-        verified = verify_plan(result.plan, partial(open_backend, model, store=store), store=store,
-                               announce=lambda what: click.echo(f"verify: {what}…", err=True))
+        announce = lambda what: click.echo(f"verify: {what}…", err=True)  # noqa: E731
+        if backend == "int4":
+            from gemmactl.plan.verify import verify_engine_plan
+
+            if result.plan.inventory.source != "int4-stream":
+                raise click.UsageError("--verify --backend int4 runs the engine, which loads int4-stream artifacts; "
+                                       "make one with `gemmactl quantize MODEL --int4-stream` and plan that")
+            model = resolve_model(str(result.model_path), store, accept=(INT4_STREAM,))
+            verified = verify_engine_plan(result, partial(open_backend, model, store=store), store=store,
+                                          announce=announce)
+        else:
+            model = resolve_model(str(result.model_path), store, accept=(GGUF,))
+            verified = verify_plan(result.plan, partial(open_backend, model, store=store), store=store,
+                                   announce=announce)
     data = plan_dict(result.plan, result, verified)
     if out:
         import json
@@ -135,9 +143,9 @@ def render(data: dict) -> str:
     for item in data["globals"]:
         lines.append(f"{item['name']}: {item['device']} ({item['bytes'] / 2**20:.1f} MiB)")
     if engine:
-        return "\n".join(lines + _render_engine(data, engine))
+        return "\n".join(lines + _render_engine(data, engine) + _render_verify(data))
     if data.get("rpc"):
-        return "\n".join(lines + _render_rpc(data, data["rpc"]))
+        return "\n".join(lines + _render_rpc(data, data["rpc"]) + _render_verify(data))
     gpu, cpu = totals["gpu"], totals["cpu"]
     lines += [
         "",
@@ -151,14 +159,24 @@ def render(data: dict) -> str:
     ]
     for note in data["notes"]:
         lines.append(f"note: {note}")
-    if data.get("verify"):
-        v = data["verify"]
-        lines.append(
-            f"verify: measured decode {v['measured_decode_tok_s']:.1f} tok/s vs predicted {v['predicted_decode_tok_s']:.1f} "
-            f"({v['ratio']:.2f}×); peak GPU memory {format_size(v['peak_gpu_bytes'])} of {format_size(budget['vram_bytes'])} "
-            f"({'within' if v['within_budget'] else 'OVER'} budget)"
-        )
-    return "\n".join(lines)
+    return "\n".join(lines + _render_verify(data))
+
+
+def _render_verify(data: dict) -> list[str]:
+    """plan --verify's line: measured against predicted, and the budget."""
+    if not data.get("verify"):
+        return []
+    v = data["verify"]
+    line = (f"verify: measured decode {v['measured_decode_tok_s']:.1f} tok/s vs predicted {v['predicted_decode_tok_s']:.1f} "
+            f"({v['ratio']:.2f}×); peak GPU memory {format_size(v['peak_gpu_bytes'])} of "
+            f"{format_size(data['budget']['vram_bytes'])} ({'within' if v['within_budget'] else 'OVER'} budget)")
+    layers = v.get("engine_layers")
+    if layers and v["placement"] != "plan":
+        line += "; the engine ran every layer on the CPU (no usable GPU here)"
+    elif layers:
+        line += (f"; the engine ran the plan's map: {layers['resident']} layers on the GPU, {layers['streamed']} "
+                 f"streamed, {layers['host']} on the CPU")
+    return [line]
 
 
 def _render_engine(data: dict, engine: dict) -> list[str]:

@@ -156,7 +156,6 @@ def engine_placement(artifact: Path, context: int, *, vram: int | None = None, m
     small for the engine raises BudgetTooSmallError with the minimum that works."""
     from gemmactl.plan.engine_map import plan_engine_or_say_the_longest
     from gemmactl.plan.profile import DEFAULT_PROFILE, cached_profile, gpu_free_bytes, load_profile
-    from gemmactl.runtime.engine.placement import EnginePlacement
     from gemmactl.store import Store
 
     machine = machine or detect_machine()
@@ -169,6 +168,13 @@ def engine_placement(artifact: Path, context: int, *, vram: int | None = None, m
     profile = cached_profile(store.home / "plan", machine) or load_profile(DEFAULT_PROFILE)
     profile = replace(profile, vram_bytes=gpu.memory_bytes, ram_bytes=machine.ram_bytes or profile.ram_bytes)
     chosen = plan_engine_or_say_the_longest(Path(artifact), profile, budget, context, kv_mode)
+    return placement_of(chosen, profile)
+
+
+def placement_of(chosen, profile):
+    """An engine map (plan/engine_map.EngineMap) as the placement the engine loads."""
+    from gemmactl.runtime.engine.placement import EnginePlacement
+
     return EnginePlacement(chosen.layers, chosen.tables_on_host, chosen.reason, chosen.expert_cache_bytes,
                            link_bytes_s=profile.host_to_device, host_bytes_s=profile.cpu_bandwidth)
 

@@ -287,6 +287,30 @@ def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, in
     return chosen
 
 
+def cpu_decode_tok_s(artifact: Path, profile, context: int, kv_mode: str | None = None) -> float:
+    """The engine's predicted decode rate with every layer and the head on the CPU (a machine
+    without a GPU): each layer costs as a host layer of the map does, without the link; the head
+    and the per-layer-input projection are read dense too."""
+    from gemmactl.formats.int4.reader import read_index
+    from gemmactl.runtime.engine.kernels import linear_bytes
+    from gemmactl.runtime.engine.spec import model_spec
+
+    index = read_index(Path(artifact))
+    shapes = {r["name"]: tuple(r.get("stack_shape") or r["shape"]) for r in index.get("tensors", [])}
+    spec = model_spec(index.get("config") or {}, shapes)
+    costs, _, _ = _costs(index, spec, context, kv_mode)
+    dense_globals = 0
+    for record in index.get("tensors", []):
+        name, shape = record["name"], tuple(record["shape"])
+        head = name.endswith("lm_head.weight") or (spec.tied and name.endswith("embed_tokens.weight"))
+        projection = len(shape) == 2 and record.get("layer") is None and record.get("expert") is None \
+            and not name.endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight", "lm_head.weight"))
+        if head or projection:
+            dense_globals += linear_bytes(record["scheme"], shape, record.get("group_size"), cuda=False)
+    seconds = sum(c.dense_bytes / profile.cpu_bandwidth + profile.cpu_layer_latency_s for c in costs)
+    return 1.0 / (seconds + dense_globals / profile.cpu_bandwidth)
+
+
 def _row_bytes(index: dict) -> int:
     """Bytes of one token's rows of the tables held in host memory."""
     total = 0

@@ -23,7 +23,8 @@ from gemmactl.machine import Machine
 
 DEFAULT_PROFILE = "desktop-4g"
 CACHE_NAME = "machine-profile.json"
-CACHE_VERSION = 1
+RESERVE_MARGIN_BYTES = 64 << 20  # kernels loaded later (Triton, inductor) and rounding
+CACHE_VERSION = 2  # 2: the GPU reserve is this machine's measured CUDA context
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,15 @@ def _gpu_numbers() -> dict | None:
     flops = 2 * 8192**3 * 5 / (time.perf_counter() - start)
     del src, dst, host, a
     torch.cuda.empty_cache()
-    return {"gpu_bandwidth": device_bw, "host_to_device": h2d, "gpu_flops": flops}
+    numbers = {"gpu_bandwidth": device_bw, "host_to_device": h2d, "gpu_flops": flops}
+    # What the process holds outside torch's allocator (the CUDA context, cuBLAS, loaded kernels),
+    # as nvidia-smi counts it: the reserve a budget must leave (docs/placement.md).
+    from gemmactl.plan.verify import process_gpu_bytes
+
+    context = process_gpu_bytes() - torch.cuda.memory_reserved()
+    if context > 0:
+        numbers["gpu_reserve_bytes"] = context + RESERVE_MARGIN_BYTES
+    return numbers
 
 
 def measure_profile(machine: Machine) -> HardwareProfile:
@@ -199,7 +208,9 @@ def measure_profile(machine: Machine) -> HardwareProfile:
     gpu = machine.gpus[0] if machine.gpus else None
     numbers = _gpu_numbers() if gpu else None
     if gpu and numbers:
-        gpu_source = "GPU figures measured with torch"
+        gpu_source = "GPU figures measured with torch" + (
+            ", its CUDA context with nvidia-smi" if "gpu_reserve_bytes" in numbers else "")
+        numbers["gpu_reserve_bytes"] = max(base.gpu_reserve_bytes, numbers.get("gpu_reserve_bytes", 0))
     elif gpu:
         gpu_source = f"GPU bandwidths from the {DEFAULT_PROFILE} profile (install torch with CUDA to measure them)"
         numbers = {"gpu_bandwidth": base.gpu_bandwidth, "host_to_device": base.host_to_device, "gpu_flops": base.gpu_flops}

@@ -3,6 +3,8 @@
 Peak GPU memory is this process's use as nvidia-smi reports it, sampled while the model loads
 and decodes (CUDA context included, as the plan's reserve is). Without a usable GPU the run
 uses the CPU placement and the prediction is re-made for it with this machine's measured profile.
+The same holds for the int4 engine (`--backend int4`): its map on a GPU, every layer on the CPU
+without one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import shutil
 import subprocess
 import threading
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
@@ -34,6 +37,7 @@ class VerifyResult:
     budget_vram_bytes: int
     within_budget: bool
     placement: str  # "plan" or "cpu (no usable GPU here)"
+    engine_layers: dict | None = None  # the int4 engine's run: layers resident, streamed and on the CPU
 
     @property
     def ratio(self) -> float:
@@ -41,6 +45,25 @@ class VerifyResult:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ratio": round(self.ratio, 3)}
+
+
+def process_gpu_bytes() -> int:
+    """This process's GPU memory as nvidia-smi reports it (CUDA context included); 0 without one."""
+    if not shutil.which("nvidia-smi"):
+        return 0
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    total = 0
+    for line in out.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
+            total += int(parts[1]) * 1024 * 1024
+    return total
 
 
 class GpuMemorySampler:
@@ -52,19 +75,7 @@ class GpuMemorySampler:
         self._thread = threading.Thread(target=self._run, daemon=True) if shutil.which("nvidia-smi") else None
 
     def _sample(self) -> int:
-        try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=10,
-            ).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            return 0
-        total = 0
-        for line in out.splitlines():
-            parts = [part.strip() for part in line.split(",")]
-            if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
-                total += int(parts[1]) * 1024 * 1024
-        return total
+        return process_gpu_bytes()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -135,6 +146,90 @@ def verify_plan(plan: Plan, open_backend: Callable[..., Backend], *, store=None,
         within_budget=sampler.peak <= budget,
         placement=placement,
     )
+
+
+def verify_engine_plan(result, open_backend: Callable[..., Backend], *, store=None,
+                       announce: Callable[[str], None] | None = None) -> VerifyResult:
+    """The int4 engine with the plan's map (result: a plan/report.PlanResult of an int4-stream
+    artifact), VERIFY_TOKENS tokens decoded greedily, against the map's predicted rate.
+
+    open_backend(context=, placement=, kv_cache=) loads the artifact through the generation path.
+    Without CUDA here, every layer runs on the CPU and the prediction is the engine's all-CPU
+    cost with this machine's measured profile.
+    """
+    from gemmactl.machine import detect_machine
+    from gemmactl.plan.auto import placement_of
+    from gemmactl.plan.engine_map import cpu_decode_tok_s
+    from gemmactl.plan.profile import machine_profile
+    from gemmactl.runtime.base import GenerationRequest, GenerationStats, stream_generate
+    from gemmactl.runtime.engine.placement import EnginePlacement
+    from gemmactl.store import Store
+
+    import torch
+
+    plan, chosen = result.plan, result.engine
+    store = store or Store()
+    machine = detect_machine()
+    kv_mode = chosen.kv_mode if chosen is not None else None
+    if chosen is not None and torch.cuda.is_available():
+        placement, predicted, where = placement_of(chosen, plan.profile), chosen.decode_tok_s, "plan"
+    else:
+        here, _ = machine_profile(store.home / "plan", machine)
+        predicted = cpu_decode_tok_s(result.model_path, here, plan.context, kv_mode)
+        placement, where = None, "cpu (no usable GPU here)"
+    layers = placement.layers if placement is not None else ()
+    counts = {kind: sum(1 for k in layers if k == kind) for kind in ("resident", "streamed", "host")}
+    if placement is None:
+        counts["host"] = plan.inventory.shape.n_layers
+    if announce is not None:
+        said = (EnginePlacement(placement.layers, placement.tables_on_host).summary() if placement is not None
+                else "every layer on the CPU (no usable GPU here)")
+        announce(f"loading the artifact in the engine with {said}, then decoding {VERIFY_TOKENS} tokens greedily")
+    request = GenerationRequest(prompt=VERIFY_PROMPT, max_tokens=VERIFY_TOKENS, temperature=0.0, raw=True)
+    with GpuMemorySampler() as sampler, _engine_device("cpu" if placement is None else None):
+        backend = open_backend(context=plan.context, placement=placement, kv_cache=kv_mode)
+        try:
+            stats = [event for event in stream_generate(backend, request) if isinstance(event, GenerationStats)][-1]
+            timings = backend.engine_timings()
+        finally:
+            backend.close()
+    # The engine's own timer covers a generation it finished itself; one the caller stopped at
+    # max_tokens has the stream's decode figures (tokens after the first over the time after it).
+    if timings and timings.decode_s:
+        measured, decoded = timings.decode_tokens / timings.decode_s, timings.decode_tokens
+    else:
+        measured, decoded = stats.decode_tok_s or 0.0, max(stats.generated_tokens - 1, 0)
+    budget = plan.budget.vram_bytes
+    return VerifyResult(
+        n_gpu_layers=counts["resident"],
+        tensor_overrides_applied=False,
+        predicted_decode_tok_s=round(predicted, 2),
+        measured_decode_tok_s=round(measured, 2),
+        decode_tokens=decoded,
+        peak_gpu_bytes=sampler.peak,
+        budget_vram_bytes=budget,
+        within_budget=sampler.peak <= budget,
+        placement=where,
+        engine_layers=counts,
+    )
+
+
+@contextmanager
+def _engine_device(device: str | None):
+    """The engine's device for the load inside (None: its own choice)."""
+    from gemmactl.runtime.engine.backend import DEVICE_ENV
+
+    before = os.environ.get(DEVICE_ENV)
+    if device is not None:
+        os.environ[DEVICE_ENV] = device
+    try:
+        yield
+    finally:
+        if device is not None:
+            if before is None:
+                os.environ.pop(DEVICE_ENV, None)
+            else:
+                os.environ[DEVICE_ENV] = before
 
 
 def _overrides(plan: Plan) -> tuple[str, ...]:
