@@ -180,9 +180,7 @@ def open_backend(
             raise InvalidOptionError("RPC workers take llama.cpp (GGUF) tiers; this model runs on the int4 engine",
                                      hint="Drop --rpc (or the tier's rpc:), or give the tier a GGUF model.")
         if placement == AUTO:
-            from gemmactl.plan.auto import engine_placement
-
-            placement = engine_placement(model.path, context, vram=vram, store=store, kv_mode=kv_cache)
+            placement, draft = _engine_placement_with_draft(model, context, vram, store, kv_cache, draft)
         options["placement"] = placement
         if experts is not None:
             options["experts"] = experts
@@ -190,6 +188,31 @@ def open_backend(
         if draft is not None:
             options["draft"] = draft
     return backend_class(kind)(str(model.path), **options)
+
+
+def _engine_placement_with_draft(model: ResolvedModel, context: int, vram, store, kv_cache, draft):
+    """The engine's map on this GPU with room kept for the draft (its weights and KV caches, and
+    the spare ring slots both models need). When the model does not fit beside the draft, the map
+    is made without it and the draft is dropped: the tier runs, without speculation, and says why."""
+    from dataclasses import replace
+
+    from gemmactl.errors import BudgetTooSmallError
+    from gemmactl.plan.auto import engine_placement
+    from gemmactl.plan.engine_map import DraftNeed
+
+    need = DraftNeed(Path(draft.path), draft.k_max) if draft is not None and not draft.problem else None
+    try:
+        return engine_placement(model.path, context, vram=vram, store=store, kv_mode=kv_cache, draft=need), draft
+    except BudgetTooSmallError as exc:
+        if need is None:
+            raise
+        problem = f"it does not fit beside the model in the GPU budget: {exc.message}"
+    except (GemmactlError, OSError, ValueError, KeyError) as exc:  # the draft's index unreadable: its load says more
+        if need is None:
+            raise
+        problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    placement = engine_placement(model.path, context, vram=vram, store=store, kv_mode=kv_cache)
+    return placement, replace(draft, problem=problem)
 
 
 LLAMA_KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml type ids (llama_cpp.GGML_TYPE_*)

@@ -52,7 +52,7 @@ def test_int8_errs_by_at_most_half_a_step_and_packing_is_lossless():
 def test_each_mode_stores_what_its_size_rule_says():
     for mode in ENGINE_MODES:
         cache = make_cache(mode, 100, 2, 256, False, torch.bfloat16, "cpu")
-        assert cache.nbytes() == 2 * 100 * 2 * vector_bytes(mode, 256)
+        assert cache.nbytes() == 2 * 100 * 2 * vector_bytes(mode, 256) + 100 * 8  # K, V and each slot's position
     assert compression("tq4", 256) >= 3.5 and compression("tq3", 256) > compression("tq4", 256)
 
 

@@ -255,3 +255,67 @@ def test_plan_verify_for_the_engine_needs_an_artifact(tiny_gemma4, runner):
     assert result.exit_code != 0
     assert "int4-stream" in result.output and "Traceback" not in result.output
     assert len([line for line in result.stderr.splitlines() if line.strip()]) <= 2
+
+
+@pytest.mark.parametrize("spare", [0, 3, 8])
+def test_the_map_sizes_the_rings_the_engine_allocates_for_a_draft(artifact, spare):
+    """Speculation keeps `spare` ring slots past each sliding layer's window; the map's KV bytes are
+    the ones the engine allocates with them (bfloat16 caches, as on a GPU)."""
+    from gemmactl.formats.int4.reader import open_artifact
+    from gemmactl.runtime.engine.model import GemmaModel
+
+    planned = plan_engine(artifact, PROFILE, 64 << 30, CONTEXT, spare_slots=spare).gpu_bytes["kv"]
+    model = GemmaModel(open_artifact(artifact), device="cpu", dtype=torch.bfloat16, context=CONTEXT,
+                       spare_slots=spare)
+    assert model.memory()["kv_device_bytes"] == planned
+
+
+def test_plan_keeps_room_for_a_draft(artifact, runner):
+    """`plan --draft`: the draft's own every-layer-resident map (less the CUDA context the model's
+    map already reserves) comes off the budget, the least that works grows by it, and the model's
+    rings keep --draft-max spare slots; without room, the error names the draft."""
+    from gemmactl.plan.engine_map import DraftNeed, draft_gpu_bytes
+
+    def plan(*extra):
+        result = invoke(runner, ["plan", str(artifact), "--backend", "int4", "--hardware", "desktop-4g", "--json",
+                                 "--context", str(CONTEXT), *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["engine"]
+
+    alone, beside = plan(), plan("--draft", str(artifact), "--draft-max", "6")
+    alone_draft = plan_engine(artifact, PROFILE, 64 << 30, CONTEXT, spare_slots=6)
+    draft_bytes = alone_draft.gpu_total - alone_draft.gpu_bytes["reserve"]
+    assert beside["gpu_bytes"]["draft"] == draft_bytes == draft_gpu_bytes(DraftNeed(artifact, 6), PROFILE, CONTEXT)
+    assert beside["gpu_bytes"]["kv"] == alone_draft.gpu_bytes["kv"] > alone["gpu_bytes"]["kv"]
+    assert beside["minimum_vram_bytes"] == alone["minimum_vram_bytes"] + draft_bytes + (
+        beside["gpu_bytes"]["kv"] - alone["gpu_bytes"]["kv"])
+
+    short = f"{beside['minimum_vram_bytes'] - 1}B"
+    result = invoke(runner, ["plan", str(artifact), "--backend", "int4", "--hardware", "desktop-4g", "--vram", short,
+                             "--context", str(CONTEXT), "--draft", str(artifact), "--draft-max", "6"])
+    assert result.exit_code != 0 and "the draft's" in result.output and "leave out the draft" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_draft_that_does_not_fit_beside_the_model_is_dropped_with_a_reason(artifact, monkeypatch, tmp_path):
+    """On a GPU whose budget holds the model's least map but not the draft beside it, the tier runs
+    without speculation and its draft carries why; with room, the draft stays and the map keeps it."""
+    import gemmactl.plan.auto as auto
+    from gemmactl.generate import _engine_placement_with_draft
+    from gemmactl.machine import Gpu, Machine
+    from gemmactl.runtime.engine.draft import DraftSettings
+    from gemmactl.store import Store
+    from gemmactl.store.refs import resolve_model
+
+    machine = Machine("test cpu", 2, [], 32 << 30, "x86_64", gpus=[Gpu(0, "Fake 4 GB", 4096 * MiB, "1", "7.5")])
+    monkeypatch.setattr(auto, "detect_machine", lambda: machine)
+    monkeypatch.setattr("gemmactl.plan.profile.gpu_free_bytes", lambda index=0: 4096 * MiB)
+    monkeypatch.setattr("gemmactl.plan.profile.cached_profile", lambda *a, **k: PROFILE)
+    store = Store(tmp_path / "home")
+    model = resolve_model(str(artifact), store)
+    draft = DraftSettings(str(artifact), k_max=4)
+    alone = whole(artifact).minimum_vram_bytes
+    placement, kept = _engine_placement_with_draft(model, CONTEXT, alone, store, None, draft)
+    assert placement is not None and kept.problem.startswith("it does not fit beside the model in the GPU budget")
+    placement, kept = _engine_placement_with_draft(model, CONTEXT, 4096 * MiB, store, None, draft)
+    assert kept == draft and set(placement.layers) == {"resident"}

@@ -34,11 +34,14 @@ class ContextLength(click.ParamType):
 @click.option("--quant", metavar="TYPE", help="For a checkpoint or a config-only folder: the quantization to plan for (Q4_K_M, Q8_0, BF16, int4-g32, ...; a config alone defaults to Q4_K_M).")
 @click.option("--hardware", metavar="PROFILE", help="Plan for a shipped hardware profile (desktop-4g, dgx-spark) instead of this machine.")
 @click.option("--profile", "remeasure", is_flag=True, help="Measure this machine again instead of using the cached profile.")
+@click.option("--draft", "draft", metavar="MODEL", help="With --backend int4: keep room in the engine's map for this speculative draft (an int4-stream artifact), as `run --draft` loads it.")
+@click.option("--draft-max", "draft_max", type=click.IntRange(min=1, max=16), metavar="N", help="With --draft: the most tokens it drafts a round (spare KV slots in both models; default 4).")
 @click.option("--verify", is_flag=True, help="Run a short real decode with the plan and compare it with the prediction.")
 @click.option("--rpc", "rpc", multiple=True, metavar="HOST:PORT[=SIZE]", help="Split the model across this machine and llama.cpp RPC workers lending SIZE each (without =SIZE: what the worker reports free); repeatable or comma-separated.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the plan as JSON (schema in docs/placement.md).")
 @click.option("--out", "out", metavar="FILE", type=click.Path(dir_okay=False), help="Write the plan as JSON to FILE (atomically).")
-def plan(model, vram, ram, context, kv_cache, parallel, backend, quant, hardware, remeasure, verify, rpc, json_mode, out):
+def plan(model, vram, ram, context, kv_cache, parallel, backend, quant, hardware, remeasure, draft, draft_max, verify, rpc,
+         json_mode, out):
     """Place a model's layers under a VRAM budget and predict its speed.
 
     MODEL is a store name, a .gguf file, an int4-stream folder, a Hugging Face checkpoint folder,
@@ -66,7 +69,7 @@ def plan(model, vram, ram, context, kv_cache, parallel, backend, quant, hardware
                                      param_hint="--out")
     result = build_plan(
         model, vram=vram, ram=ram, context=context, parallel=parallel, backend=backend, quant=quant,
-        hardware=hardware, remeasure=remeasure, rpc=tuple(rpc), kv_cache=kv_cache,
+        hardware=hardware, remeasure=remeasure, rpc=tuple(rpc), kv_cache=kv_cache, draft=draft, draft_max=draft_max,
     )
     for message in result.warnings:
         warn(message)
@@ -184,7 +187,7 @@ def _render_engine(data: dict, engine: dict) -> list[str]:
     counts, gpu = engine["counts"], engine["gpu_bytes"]
     parts = ", ".join(f"{name} {format_size(gpu[key])}" for key, name in (
         ("reserve", "reserve"), ("globals", "head"), ("tables", "tables"), ("kv", "KV"), ("work", "work"),
-        ("layers", "layers"), ("staging", "staging"), ("experts", "expert cache")) if gpu.get(key))
+        ("layers", "layers"), ("staging", "staging"), ("experts", "expert cache"), ("draft", "draft")) if gpu.get(key))
     lines = [
         "",
         f"engine: {counts['resident']} layers on the GPU, {counts['streamed']} streamed, {counts['host']} on the CPU; "

@@ -150,10 +150,11 @@ def auto_parallel(
 
 
 def engine_placement(artifact: Path, context: int, *, vram: int | None = None, machine: Machine | None = None,
-                     store=None, kv_mode: str | None = None):
+                     store=None, kv_mode: str | None = None, draft=None):
     """The engine's placement of an int4-stream artifact on this machine's GPU (None without one:
-    the CPU runs it all). vram: the tier's budget (default: the GPU's free memory). A budget too
-    small for the engine raises BudgetTooSmallError with the minimum that works."""
+    the CPU runs it all). vram: the tier's budget (default: the GPU's free memory). draft: a
+    plan/engine_map.DraftNeed whose GPU bytes the budget holds too. A budget too small for the
+    engine raises BudgetTooSmallError with the minimum that works."""
     from gemmactl.plan.engine_map import plan_engine_or_say_the_longest
     from gemmactl.plan.profile import DEFAULT_PROFILE, cached_profile, gpu_free_bytes, load_profile
     from gemmactl.store import Store
@@ -167,7 +168,7 @@ def engine_placement(artifact: Path, context: int, *, vram: int | None = None, m
     budget = min(vram, free) if vram else free
     profile = cached_profile(store.home / "plan", machine) or load_profile(DEFAULT_PROFILE)
     profile = replace(profile, vram_bytes=gpu.memory_bytes, ram_bytes=machine.ram_bytes or profile.ram_bytes)
-    chosen = plan_engine_or_say_the_longest(Path(artifact), profile, budget, context, kv_mode)
+    chosen = plan_engine_or_say_the_longest(Path(artifact), profile, budget, context, kv_mode, draft)
     return placement_of(chosen, profile)
 
 

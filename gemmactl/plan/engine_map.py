@@ -73,9 +73,10 @@ class EngineMap:
                                 "cached": self.expert_cache_bytes // self.expert_bytes}} if self.experts else {})}
 
 
-def _costs(index: dict, spec, context: int, kv_mode: str | None = None
+def _costs(index: dict, spec, context: int, kv_mode: str | None = None, spare_slots: int = 0
            ) -> tuple[list[LayerCost], dict[str, int], dict[str, int]]:
-    """Per-layer costs, the GPU-side globals and the tables, from the artifact's index."""
+    """Per-layer costs, the GPU-side globals and the tables, from the artifact's index. spare_slots:
+    ring slots past a sliding layer's window (speculation's drafted tokens, runtime/engine/model.py)."""
     from gemmactl.runtime.engine.kernels import linear_bytes
     from gemmactl.runtime.engine.kv_modes import vector_bytes
 
@@ -113,8 +114,8 @@ def _costs(index: dict, spec, context: int, kv_mode: str | None = None
     for layer in spec.layers:
         kv = 0
         if layer.owns_kv:
-            ring = layer.kind == "sliding_attention" and 0 < spec.window < context
-            slots = spec.window if ring else context  # K and V per slot and head, and the slot's position
+            ring = layer.kind == "sliding_attention" and 0 < spec.window and spec.window + spare_slots < context
+            slots = spec.window + spare_slots if ring else context  # K and V per slot and head, and its position
             kv = slots * layer.kv_heads * 2 * vector_bytes(kv_mode or "bf16", layer.head_dim) + slots * 8
         device_bytes, dense_bytes = layers[layer.index]
         costs.append(LayerCost(layer.index, device_bytes, dense_bytes, kv, layer.index in readers))
@@ -134,7 +135,8 @@ def _work_bytes(spec) -> int:
     return CHUNK_TOKENS * spec.hidden * 2 * 8 + CHUNK_TOKENS * 4 * spec.hidden * 2 * 3 * 2 + spec.vocab * 4 * 2
 
 
-def longest_context(artifact: Path, profile, vram_bytes: int, kv_mode: str | None = None, step: int = 256) -> int:
+def longest_context(artifact: Path, profile, vram_bytes: int, kv_mode: str | None = None, step: int = 256,
+                    draft=None) -> int:
     """The longest context (a multiple of step, up to the model's own) the engine can run in the
     budget at all: its least-that-works map fits. Raises BudgetTooSmallError when not even step
     tokens do."""
@@ -143,12 +145,12 @@ def longest_context(artifact: Path, profile, vram_bytes: int, kv_mode: str | Non
 
     config = read_index(Path(artifact)).get("config") or {}
     top = max(step, int(hf_text_config(config).max_position_embeddings) // step * step)
-    plan_engine(artifact, profile, vram_bytes, step, kv_mode)  # raises with the minimum when nothing fits
+    plan_engine(artifact, profile, vram_bytes, step, kv_mode, draft)  # raises with the minimum when nothing fits
     low, high = step, top  # low fits; find the last that does
     while low < high:
         middle = (low + high + step) // 2 // step * step
         try:
-            plan_engine(artifact, profile, vram_bytes, middle, kv_mode)
+            plan_engine(artifact, profile, vram_bytes, middle, kv_mode, draft)
             low = middle
         except BudgetTooSmallError:
             high = middle - step
@@ -156,13 +158,13 @@ def longest_context(artifact: Path, profile, vram_bytes: int, kv_mode: str | Non
 
 
 def plan_engine_or_say_the_longest(artifact: Path, profile, vram_bytes: int, context: int,
-                                   kv_mode: str | None = None) -> EngineMap:
+                                   kv_mode: str | None = None, draft=None) -> EngineMap:
     """plan_engine; when the context is what does not fit, the error names the longest that does."""
     try:
-        return plan_engine(artifact, profile, vram_bytes, context, kv_mode)
+        return plan_engine(artifact, profile, vram_bytes, context, kv_mode, draft)
     except BudgetTooSmallError as exc:
         try:
-            longest = longest_context(artifact, profile, vram_bytes, kv_mode)
+            longest = longest_context(artifact, profile, vram_bytes, kv_mode, draft=draft)
         except BudgetTooSmallError:
             raise exc from None
         if longest >= context:
@@ -172,25 +174,50 @@ def plan_engine_or_say_the_longest(artifact: Path, profile, vram_bytes: int, con
                                        f"(--kv-cache int8, tq4, tq3). {exc.hint}") from None
 
 
-def plan_engine(artifact: Path, profile, vram_bytes: int, context: int, kv_mode: str | None = None) -> EngineMap:
+@dataclass(frozen=True)
+class DraftNeed:
+    """A speculative draft beside the model: its artifact (loaded whole on the GPU, its KV caches
+    included) and the most tokens it drafts a round (ring slots both models keep past the window)."""
+
+    path: Path
+    k_max: int
+
+
+def draft_gpu_bytes(draft: DraftNeed, profile, context: int, kv_mode: str | None = None) -> int:
+    """What the draft holds on the GPU: its every-layer-resident map less the CUDA context, which
+    the model's map already reserves (one process, one context)."""
+    chosen = plan_engine(draft.path, profile, 1 << 50, context, kv_mode, spare_slots=draft.k_max)
+    return chosen.gpu_total - chosen.gpu_bytes["reserve"]
+
+
+def plan_engine(artifact: Path, profile, vram_bytes: int, context: int, kv_mode: str | None = None,
+                draft: DraftNeed | None = None, *, spare_slots: int = 0) -> EngineMap:
     """The engine's map for an int4-stream artifact under a VRAM budget (profile: the machine's),
-    its KV caches sized for kv_mode (runtime/engine/kv_modes.py; default bf16)."""
+    its KV caches sized for kv_mode (runtime/engine/kv_modes.py; default bf16). With a draft, its
+    GPU bytes come off the budget first and the model's rings keep the draft's spare slots."""
     from gemmactl.formats.int4.reader import read_index
     from gemmactl.runtime.engine.spec import model_spec
 
     index = read_index(Path(artifact))
     shapes = {r["name"]: tuple(r.get("stack_shape") or r["shape"]) for r in index.get("tensors", [])}
     spec = model_spec(index.get("config") or {}, shapes)
-    chosen = _plan(index, spec, profile, vram_bytes, context, kv_mode)
+    reserved = 0
+    if draft is not None:
+        reserved = draft_gpu_bytes(draft, profile, context, kv_mode)
+        spare_slots = max(spare_slots, draft.k_max)
+    chosen = _plan(index, spec, profile, vram_bytes, context, kv_mode, spare_slots, reserved)
     chosen.kv_mode = kv_mode or "bf16"
     return chosen
 
 
-def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: str | None) -> EngineMap:
-    costs, globals_, tables = _costs(index, spec, context, kv_mode)
+def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: str | None, spare_slots: int = 0,
+          draft_bytes: int = 0) -> EngineMap:
+    costs, globals_, tables = _costs(index, spec, context, kv_mode, spare_slots)
     experts = tables.pop("experts")
     gpu_bw, link, cpu_bw = profile.gpu_bandwidth, profile.host_to_device, profile.cpu_bandwidth
     fixed = {"reserve": profile.gpu_reserve_bytes, "globals": sum(globals_.values()), "work": _work_bytes(spec) + MARGIN_BYTES}
+    if draft_bytes:
+        fixed["draft"] = draft_bytes
     kv_all = sum(c.kv_bytes for c in costs)
     table_bytes = sum(tables.values())
 
@@ -220,10 +247,13 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
                                            f"({format_size(need)} of {format_size(vram_bytes)})"),
                                  experts, vram_bytes, profile, index)
     if minimum > vram_bytes:
+        draft = f", the draft's {format_size(draft_bytes)}" if draft_bytes else ""
         raise BudgetTooSmallError(
             f"the engine needs at least {format_size(minimum)} of GPU memory for this model at context {context} "
-            f"(CUDA context, head, KV caches, two staging areas of {format_size(largest)}); the budget is {format_size(vram_bytes)}",
-            hint=f"Give it {format_size(minimum)} or more, or a smaller --context.",
+            f"(CUDA context, head, KV caches, two staging areas of {format_size(largest)}{draft}); "
+            f"the budget is {format_size(vram_bytes)}",
+            hint=f"Give it {format_size(minimum)} or more, or a smaller --context"
+                 + (", or leave out the draft." if draft_bytes else "."),
         )
     room = vram_bytes - sum(fixed.values()) - kv_all - 2 * largest
     # Layers whose GPU residence saves the most time per byte go first (ties: lower index).

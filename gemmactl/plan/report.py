@@ -24,6 +24,7 @@ class PlanResult:
     warnings: list[str] = field(default_factory=list)
     engine: object | None = None  # plan/engine_map.EngineMap: the int4 engine's map of an int4-stream artifact
     rpc: object | None = None  # plan/rpc_split.RpcSplit: the split across this machine and RPC workers
+    draft: object | None = None  # plan/engine_map.DraftNeed: the draft the engine's map keeps room for
 
 
 def resolve_plan_model(ref: str, store) -> Path:
@@ -70,10 +71,13 @@ def build_plan(
     store=None,
     rpc: tuple[str, ...] = (),
     kv_cache: str | None = None,
+    draft: str | None = None,
+    draft_max: int | None = None,
 ) -> PlanResult:
     """Inventory the model, pick the profile and budgets, and solve. context "max": the longest
     the int4 engine's plan fits in the budget. kv_cache: the KV cache mode to size (the engine's,
-    or llama.cpp's f16/q8_0/q4_0)."""
+    or llama.cpp's f16/q8_0/q4_0). draft: a draft model reference whose GPU memory the engine's
+    map keeps (its weights and KV caches, and draft_max spare ring slots in both models)."""
     from gemmactl.runtime.engine.kv_modes import check_mode
     from gemmactl.store import Store
 
@@ -86,6 +90,7 @@ def build_plan(
                                  "take a given context",
                                  hint="Plan an int4-stream artifact with --backend int4, or give --context N.")
     check_mode(kv_cache, backend)
+    need = _draft_need(draft, draft_max, backend, store)
     if longest:
         context = 256  # for the checks below; the engine's plan finds the longest
     if context < 1:
@@ -130,10 +135,11 @@ def build_plan(
             if not profile.has_gpu:
                 raise InvalidOptionError("--context max needs a GPU to plan for, and there is none here",
                                          hint="Pass --hardware desktop-4g (or another profile) with --vram.")
-            context = longest_context(path, profile, vram_bytes, kv_cache)
+            context = longest_context(path, profile, vram_bytes, kv_cache, draft=need)
             plan = plan_placement(inventory, profile, budget, context=context, parallel=parallel)
             plan.budget = Budget(vram_bytes, ram_bytes)
-        engine = plan_engine_or_say_the_longest(path, profile, vram_bytes, context, kv_cache) if profile.has_gpu else None
+        engine = (plan_engine_or_say_the_longest(path, profile, vram_bytes, context, kv_cache, need)
+                  if profile.has_gpu else None)
     split = None
     if rpc:
         if backend == "int4":
@@ -141,7 +147,25 @@ def build_plan(
                                      hint="Plan with --backend llamacpp, or leave out --rpc.")
         split = _rpc_split(inventory, rpc, profile, vram_bytes, ram_bytes, context, parallel)
     plan.notes = notes + _plan_notes(plan, backend, quant, engine)
-    return PlanResult(plan, path, measured, warnings, engine, split)
+    return PlanResult(plan, path, measured, warnings, engine, split, need)
+
+
+def _draft_need(draft: str | None, draft_max: int | None, backend: str, store):
+    """The draft the engine's map keeps room for (plan/engine_map.DraftNeed), or None."""
+    if draft is None:
+        if draft_max is not None:
+            raise InvalidOptionError("--draft-max sizes a draft's spare slots, and no --draft was given",
+                                     hint="Add --draft MODEL, or leave out --draft-max.")
+        return None
+    if backend != "int4":
+        raise InvalidOptionError("--draft plans the int4 engine's speculation; llama.cpp plans do not size a draft",
+                                 hint="Plan an int4-stream artifact with --backend int4, or leave out --draft.")
+    from gemmactl.plan.engine_map import DraftNeed
+    from gemmactl.runtime.engine.draft import DEFAULT_DRAFT_MAX
+    from gemmactl.store.refs import INT4_STREAM, resolve_model
+
+    resolved = resolve_model(draft, store, accept=(INT4_STREAM,))
+    return DraftNeed(Path(resolved.path), draft_max or DEFAULT_DRAFT_MAX)
 
 
 def _rpc_split(inventory, rpc, profile, vram_bytes: int, ram_bytes: int, context: int, parallel: int):

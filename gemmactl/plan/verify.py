@@ -153,7 +153,8 @@ def verify_engine_plan(result, open_backend: Callable[..., Backend], *, store=No
     """The int4 engine with the plan's map (result: a plan/report.PlanResult of an int4-stream
     artifact), VERIFY_TOKENS tokens decoded greedily, against the map's predicted rate.
 
-    open_backend(context=, placement=, kv_cache=) loads the artifact through the generation path.
+    open_backend(context=, placement=, kv_cache=, draft=) loads the artifact through the generation
+    path; a plan made with a draft loads it too (the prediction is the model's alone).
     Without CUDA here, every layer runs on the CPU and the prediction is the engine's all-CPU
     cost with this machine's measured profile.
     """
@@ -186,8 +187,13 @@ def verify_engine_plan(result, open_backend: Callable[..., Backend], *, store=No
                 else "every layer on the CPU (no usable GPU here)")
         announce(f"loading the artifact in the engine with {said}, then decoding {VERIFY_TOKENS} tokens greedily")
     request = GenerationRequest(prompt=VERIFY_PROMPT, max_tokens=VERIFY_TOKENS, temperature=0.0, raw=True)
+    draft = None
+    if result.draft is not None:  # loaded as `run --draft` loads it, in the room the map kept
+        from gemmactl.runtime.engine.draft import DraftSettings
+
+        draft = DraftSettings(str(result.draft.path), result.draft.k_max)
     with GpuMemorySampler() as sampler, _engine_device("cpu" if placement is None else None):
-        backend = open_backend(context=plan.context, placement=placement, kv_cache=kv_mode)
+        backend = open_backend(context=plan.context, placement=placement, kv_cache=kv_mode, draft=draft)
         try:
             stats = [event for event in stream_generate(backend, request) if isinstance(event, GenerationStats)][-1]
             timings = backend.engine_timings()

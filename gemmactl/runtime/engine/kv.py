@@ -77,7 +77,8 @@ class KVCache:
         return k, v
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v))
+        """Bytes held: keys, values and each slot's position (what the plan sizes)."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos))
 
 
 class CenteredKVCache(KVCache):
@@ -137,7 +138,7 @@ class CenteredKVCache(KVCache):
         return tuple(self._decode(*self._encode_as(name, x)) for name, x in (("k", k), ("v", v)))
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.codes.values(), *self.scales.values()))
+        return sum(t.numel() * t.element_size() for t in (*self.codes.values(), *self.scales.values(), self.pos))
 
 
 class Int8KVCache(CenteredKVCache):
