@@ -164,10 +164,7 @@ def open_backend(
             placement = gpu_placement(model.path, context, parallel=parallel, store=store, vram=vram, rpc=rpc,
                                       kv_cache=kv_cache)
         if placement is not None and placement.rpc:
-            if kv_cache:
-                raise InvalidOptionError("a KV cache type with RPC workers is not supported yet",
-                                         hint="Drop --kv-cache (or the tier's kv_cache:) for a split model.")
-            return _served(model, placement, context=context, threads=threads, store=store)
+            return _served(model, placement, context=context, threads=threads, store=store, kv_cache=kv_cache)
         extra = dict(extra_args or {})
         if kv_cache:
             extra.update(llama_kv_args(kv_cache))
@@ -265,9 +262,11 @@ def expert_settings_for(tier, cache: str | None = None, policy: str | None = Non
                           prefetch=tier.expert_prefetch if prefetch is None else prefetch)
 
 
-def _served(model: ResolvedModel, placement: GpuPlacement, *, context: int, threads: int | None, store: Store) -> Backend:
+def _served(model: ResolvedModel, placement: GpuPlacement, *, context: int, threads: int | None, store: Store,
+            kv_cache: str | None = None) -> Backend:
     """A GGUF split across RPC workers runs in a llama-server child: llama.cpp aborts the process
-    whose worker connection breaks, and that must not be this one."""
+    whose worker connection breaks, and that must not be this one. kv_cache: llama.cpp's cache
+    type for K and V (the split was planned with it), with flash attention on for a quantized V."""
     from gemmactl.llamacpp.build import active_build
     from gemmactl.llamacpp.served import ServedBackend
     from gemmactl.runtime.llamacpp import default_threads
@@ -278,7 +277,7 @@ def _served(model: ResolvedModel, placement: GpuPlacement, *, context: int, thre
                                       hint="Run `gemmactl build` (it builds the RPC backend too).")
     return ServedBackend(build.binary("llama-server"), str(model.path), context_size=context,
                          n_threads=threads or default_threads(), log_dir=store.home / "logs" / "run",
-                         placement=placement, library=f"build {build.build_id} (llama-server)")
+                         placement=placement, library=f"build {build.build_id} (llama-server)", kv_cache=kv_cache)
 
 
 def open_model(ref: str, store: Store, *, accept: tuple[str, ...] = RUNNABLE, context: int,

@@ -217,3 +217,17 @@ def test_auto_parallel_slots_follow_the_memory(embedded_gguf, isolated_home):
     assert cpu == AUTO_PARALLEL_MAX and "of RAM" in why
     tight_ram, _ = auto_parallel(embedded_gguf, 32768, machine=Machine("cpu", 2, [], 2 * GiB, "x86_64"))
     assert 1 <= tight_ram < AUTO_PARALLEL_MAX
+
+
+@pytest.mark.real_model
+def test_auto_parallel_sizes_slots_for_the_tiers_kv_cache_type(embedded_gguf, isolated_home):
+    """A tier with a quantized KV cache (q8_0, q4_0) fits more slots in the same VRAM than f16,
+    each count being the most whose caches (at that type's bytes) still let the model fit whole."""
+    from gemmactl.plan.auto import auto_parallel
+
+    def slots(kv_cache, vram=1100 * MiB):
+        return auto_parallel(embedded_gguf, 8192, machine=fake_machine(), gpu_capable=True, free_vram=vram,
+                             kv_cache=kv_cache)[0]
+
+    f16, q8, q4 = slots(None), slots("q8_0"), slots("q4_0")
+    assert f16 == slots("f16") and f16 < q8 <= q4

@@ -242,3 +242,29 @@ def test_plan_rpc_shows_the_split_and_prices_the_network(model_home, runner):
     tiny = invoke(runner, ["plan", "embedded", "--rpc", "127.0.0.1:50052=1M", "--vram", "320M", "--hardware",
                            "desktop-4g", "--context", "2048"])
     assert tiny.exit_code != 0 and "lend" in tiny.output and "Traceback" not in tiny.output
+
+
+def test_a_split_model_takes_the_kv_cache_type(serve_home, embedded_gguf, workers, monkeypatch):
+    """`run --rpc … --kv-cache q8_0` answers as one box does with the same cache type, and the
+    served head it loads gets -ctk/-ctv q8_0 with flash attention on (a quantized V needs it)."""
+    from gemmactl.generate import gpu_placement, open_backend
+    from gemmactl.store import Store
+    from gemmactl.store.refs import resolve_model
+
+    one = workers()
+    alone = run(serve_home, embedded_gguf, "--kv-cache", "q8_0")
+    split = run(serve_home, embedded_gguf, "--rpc", one.address, "--kv-cache", "q8_0")
+    assert alone.returncode == 0 and split.returncode == 0, split.stderr
+    assert json.loads(split.stdout)["answer"] == json.loads(alone.stdout)["answer"]
+
+    monkeypatch.setenv("GEMMACTL_HOME", str(serve_home))
+    store = Store(serve_home)
+    model = resolve_model(str(embedded_gguf), store)
+    placement = gpu_placement(model.path, 2048, store=store, rpc=(one.address,), kv_cache="q8_0")
+    backend = open_backend(model, context=2048, store=store, placement=placement, kv_cache="q8_0")
+    try:
+        command = backend.server.command
+        assert command[command.index("-ctk") + 1] == command[command.index("-ctv") + 1] == "q8_0"
+        assert command[command.index("-fa") + 1] == "on"
+    finally:
+        backend.close()

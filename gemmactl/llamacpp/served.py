@@ -97,7 +97,7 @@ class ServedBackend(ServerGeneration):
     name = "llama-server"
 
     def __init__(self, binary: Path, model_path: str, *, context_size: int, n_threads: int, log_dir: Path,
-                 placement=None, library: str | None = None):
+                 placement=None, library: str | None = None, kv_cache: str | None = None):
         from gemmactl.llamacpp.server import LlamaServer
 
         self.model_path = str(model_path)
@@ -106,9 +106,11 @@ class ServedBackend(ServerGeneration):
         self.threads = n_threads
         self.notices = []
         self.final = {}
+        quantized = kv_cache not in (None, "f16")
         self.server = LlamaServer(binary, self.model_path, threads=n_threads, context=context_size, log_dir=log_dir,
                                   placement=placement.llama_server_args if placement is not None else None,
-                                  label="run")
+                                  extra_args=("-ctk", kv_cache, "-ctv", kv_cache) if kv_cache else (),
+                                  flash_attn="on" if quantized else "off", label="run")
         try:
             self.load_s = self.server.start()
         except ServerError as exc:

@@ -110,22 +110,24 @@ def auto_parallel(
     gpu_capable: bool | None = None,
     free_vram: int | None = None,
     store=None,
+    kv_cache: str | None = None,
 ) -> tuple[int, str]:
-    """How many llama-server slots of `context` tokens a GGUF tier gets when its recipe says `auto`.
+    """How many llama-server slots of `context` tokens a GGUF tier gets when its recipe says `auto`
+    (each slot's KV cache sized for the tier's cache type kv_cache: f16, q8_0 or q4_0).
 
     With a usable GPU: the most slots (up to max_slots) whose KV cache still lets the whole model
     stay on the GPU — more slots than that would push layers off it and slow every request; one
     slot when even one does not fit whole. Without one: the most slots whose KV cache fits in RAM
     beside the weights. Reads headers only; returns (slots, the reason in one line).
     """
-    from gemmactl.plan.inventory import inventory_from_gguf
+    from gemmactl.plan.inventory import inventory_from_gguf, with_kv_type
     from gemmactl.plan.profile import DEFAULT_PROFILE, cached_profile, gpu_free_bytes, load_profile
     from gemmactl.plan.solver import Budget, Placement, evaluate, fits
     from gemmactl.store import Store
 
     machine = machine or detect_machine()
     store = store or Store()
-    inventory = inventory_from_gguf(Path(model_path))
+    inventory = with_kv_type(inventory_from_gguf(Path(model_path)), kv_cache)
     n = inventory.shape.n_layers
     profile = cached_profile(store.home / "plan", machine) or load_profile(DEFAULT_PROFILE)
     ram = machine.ram_bytes or profile.ram_bytes

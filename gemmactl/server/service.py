@@ -101,7 +101,7 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
                         and tier.speculative.enabled and tier.speculative.kind == "draft")
         if kind == "llamacpp" and server_binary is not None:
             if slots == "auto":
-                slots, slots_note = auto_slots(path, tier.context, store)
+                slots, slots_note = auto_slots(path, tier.context, store, tier.kv_cache)
             key = ("llama-server", str(path), tier.context, slots, spec_args, tier.flash_attn, tier.backend_sampling,
                    tier.vram, tier.rpc, tier.kv_cache)
             kind = "llama-server"
@@ -163,12 +163,13 @@ def reachable_workers(workers: tuple[str, ...], tiers) -> tuple[str, ...]:
     return tuple(kept)
 
 
-def auto_slots(model_path: Path, context: int, store: Store) -> tuple[int, str]:
-    """The slots of a `parallel: auto` tier, sized by the planner (DEFAULT_SLOTS when it cannot tell)."""
+def auto_slots(model_path: Path, context: int, store: Store, kv_cache: str | None = None) -> tuple[int, str]:
+    """The slots of a `parallel: auto` tier, sized by the planner for its KV cache type
+    (DEFAULT_SLOTS when it cannot tell)."""
     try:
         from gemmactl.plan.auto import auto_parallel
 
-        return auto_parallel(Path(model_path), context, store=store)
+        return auto_parallel(Path(model_path), context, store=store, kv_cache=kv_cache)
     except (GemmactlError, OSError, ValueError) as exc:
         return DEFAULT_SLOTS, f"parallel auto: {DEFAULT_SLOTS} slots (the planner could not read the model: {exc})"
 
