@@ -165,6 +165,17 @@ def tiny_checkpoint(tiny_gemma4, gemma4_tokenizer_files, tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def tiny_assistant(gemma4_tokenizer_files, tmp_path_factory):
+    """A random Gemma 4 MTP assistant for the tiny "dense-ple" target, with the Gemma 4 tokenizer."""
+    from helpers.random_gemma import build_random_assistant
+
+    folder = build_random_assistant("dense-ple", tmp_path_factory.mktemp("assistant") / "tiny-gemma4-assistant")
+    for path in gemma4_tokenizer_files:
+        shutil.copy(path, folder / path.name)
+    return folder
+
+
 # -- the GPU tier ------------------------------------------------------------------------------------
 
 GPU_TIER_COMMAND = "bash benchmarks/gpu_tests.sh --work DIR --out DIR --carry DIR"

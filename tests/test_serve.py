@@ -644,3 +644,37 @@ def test_a_draft_that_llama_server_turns_down_is_shown_as_refused(serve_home, em
         assert status == 200 and body["gemmactl"]["draft_tokens"] == 0  # it answers, without drafting
     finally:
         service.close()
+
+
+def test_a_gemma4_tier_drafts_with_its_mtp_assistant(serve_home, tiny_checkpoint, tiny_assistant, tmp_path):
+    """Gemma 4's MTP assistant as a tier's draft: the vendored converter writes it, llama-server runs
+    it (--spec-type draft-mtp, reading the target's KV), it drafts, and its greedy text starts as the
+    tier's without it. Not all of it need agree: llama.cpp verifies drafts in a batch, whose
+    rounding can move a near-tie, and this random model's logits are nearly flat (docs/speculation.md)."""
+    from conftest import run_gemmactl
+
+    env = {"GEMMACTL_HOME": str(serve_home)}
+    paths = {}
+    for name, checkpoint in (("target", tiny_checkpoint("dense-ple")), ("assistant", tiny_assistant)):
+        made = run_gemmactl(["quantize", str(checkpoint), "--gguf", "Q8_0", "--out", str(tmp_path / f"{name}.gguf"),
+                             "--json"], env=env)
+        assert made.returncode == 0, made.stderr[-2000:]
+        paths[name] = tmp_path / f"{name}.gguf"
+    tier = (f"    model: {paths['target']}\n    context: 1024\n    parallel: 1\n"
+            "    sampling: {temperature: 0.0, max_tokens: 24}\n")
+    recipe = (f"tiers:\n  fast:\n{tier}"
+              f"  deep:\n{tier}    speculative: {{type: mtp, draft_model: {paths['assistant']}, draft_max: 3}}\n")
+    service = start(serve_home, recipe)
+    try:
+        assert service.lanes["deep"].snapshot()["speculative"].startswith("mtp (assistant.gguf)")
+        answers = {}
+        for tier_name in ("fast", "deep"):
+            status, _, body = post(f"{service.url}/v1/completions",
+                                   {"model": tier_name, "prompt": "The capital of France is", "max_tokens": 24})
+            assert status == 200, body
+            answers[tier_name] = body
+        plain, drafted = (answers[t]["choices"][0]["text"] for t in ("fast", "deep"))
+        assert drafted and drafted.split()[0] == plain.split()[0]  # the first words: before any draft was verified
+        assert answers["deep"]["gemmactl"]["draft_tokens"] > 0 and answers["fast"]["gemmactl"]["draft_tokens"] == 0
+    finally:
+        service.close()

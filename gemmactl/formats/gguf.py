@@ -37,6 +37,7 @@ NEEDS_IMATRIX = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma3TextModel",
     "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
+    "Gemma4AssistantForCausalLM",  # Gemma 4's MTP assistant: a draft for --spec-type draft-mtp (docs/speculation.md)
 )
 
 Progress = Callable[[str, float, float | None], None]  # (step, done, total or None when unknown)

@@ -151,6 +151,27 @@ def build_random_gemma(kind: str, out_dir: Path, *, seed: int = 0, dtype: str = 
     return out_dir
 
 
+def build_random_assistant(target_kind: str, out_dir: Path, *, seed: int = 1, layers: int = 2) -> Path:
+    """Save a random Gemma 4 MTP assistant (Gemma4AssistantForCausalLM) for a tiny target kind:
+    `layers` layers (sliding ones, then a full one) that read the target's KV, with the target's
+    head dimensions and half its width (llama.cpp needs the assistant narrower than its backbone)."""
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    target = TINY_CONFIGS[target_kind]
+    text = Gemma4TextConfig(**{
+        **target, "num_hidden_layers": layers, "layer_types": [SLIDING] * (layers - 1) + [FULL],
+        "hidden_size": target["hidden_size"] // 2, "intermediate_size": target["intermediate_size"] // 2,
+        "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0, "num_kv_shared_layers": layers,
+        "use_double_wide_mlp": False, "enable_moe_block": False,
+    })
+    torch.manual_seed(seed)
+    model = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=text,
+                                                             backbone_hidden_size=target["hidden_size"]))
+    model.to(torch.bfloat16).eval().save_pretrained(Path(out_dir))
+    return Path(out_dir)
+
+
 def build_tiny_gemma4(kind: str, out_dir: Path, *, seed: int = 0, dtype: str = "bfloat16") -> Path:
     """Save a random tiny Gemma 4 text model (safetensors + config) into out_dir."""
     return build_random_gemma(kind, out_dir, seed=seed, dtype=dtype)
