@@ -8,6 +8,7 @@ without the repeat penalty. The sampled rule is checked statistically on small d
 
 from __future__ import annotations
 
+import json
 import math
 import pytest
 import torch
@@ -273,3 +274,34 @@ def test_serve_gives_an_int4_tier_its_draft(run_artifacts, isolated_home):
     assert plans[0].draft.path == str(draft) and plans[0].draft.k_max == 3 and "engine draft" in plans[0].spec_note
     plans, _, _ = plan_backends(recipe, Store(isolated_home), speculative=False, require_build=False)
     assert plans[0].draft is None
+
+
+def test_serve_shows_the_tuners_decision_in_metrics(run_artifacts, tmp_path):
+    """An int4 tier served with a draft: after a request, /metrics carries the tuner's decision
+    (speculating or not, draft length) and what it rests on (acceptance, predicted speed-up),
+    equal to the tuner's own summary in the tier's JSON snapshot."""
+    import re
+    import urllib.request
+
+    from test_serve import post, start
+
+    target, draft = run_artifacts
+    recipe = (f"tiers:\n  deep:\n    model: {target}\n    backend: int4\n    context: 256\n"
+              f"    speculative: {{type: draft, draft_model: {draft}, draft_max: 3}}\n"
+              "    sampling: {temperature: 0.0, max_tokens: 24}\n")
+    service = start(tmp_path / "home", recipe)
+    try:
+        status, _, body = post(f"{service.url}/v1/completions", {"prompt": "The capital of France is", "max_tokens": 24})
+        assert status == 200 and body["gemmactl"]["draft_tokens"] > 0
+        with urllib.request.urlopen(f"{service.url}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        with urllib.request.urlopen(f"{service.url}/metrics?format=json", timeout=30) as response:
+            tuner = json.loads(response.read())["tiers"]["deep"]["speculation"]
+        on = re.search(r'^gemmactl_speculation_on\{tier="deep"\} (\d)$', text, re.M)
+        assert on and int(on.group(1)) == (1 if tuner["speculating"] else 0)
+        length = re.search(r'^gemmactl_speculation_draft_length\{tier="deep"\} (\d+)$', text, re.M)
+        assert length and int(length.group(1)) == (tuner["k"] or 0)
+        assert tuner["acceptance_estimate"] is not None
+        assert f'gemmactl_speculation_acceptance{{tier="deep"}} {tuner["acceptance_estimate"]}' in text
+    finally:
+        service.close()

@@ -211,10 +211,12 @@ class InProcessBackend:
         self.url = None
         self.info = BackendInfo(self.kind, self.model_path, list(tiers), 1, context, note)
         speculator = getattr(loaded, "speculator", None)
+        self.speculation = None  # () → the tuner's decision and figures, for the lane's snapshot and /metrics
         if speculator is not None:
             tuner = speculator.tuner
             self.info.speculative = (f"engine draft {speculator.draft_path}, "
                                      f"{'tuned' if tuner.fixed is None else 'fixed'} k≤{tuner.k_max}")
+            self.speculation = tuner.summary
 
     def start(self) -> None:
         pass

@@ -164,4 +164,7 @@ class Lane:
                 "shared_with": [t for t in info.tiers if t != self.name], "placement": info.placement,
                 "speculative": info.speculative, "pid": backend.pid, "restarts": backend.restarts,
             })
+            tuner = getattr(backend, "speculation", None)  # an int4 tier's speculation tuner, if it has a draft
+            if tuner is not None:
+                data["speculation"] = tuner()
         return data

@@ -75,6 +75,24 @@ def metrics_text(service) -> str:
     for name, snap in snaps.items():
         labels = ",".join(f'{k}="{_label(snap.get(k) or "")}"' for k in ("backend", "model", "placement", "speculative"))
         lines.append(f'gemmactl_backend_info{{tier="{name}",{labels}}} 1')
+    # The engine's speculation tuner (int4 tiers with a draft): its decision and what it bases it on.
+    tuned = {name: snap["speculation"] for name, snap in snaps.items() if snap.get("speculation")}
+    for metric, help_text, value in (
+        ("gemmactl_speculation_on", "1 while the tuner speculates, 0 while it decodes plainly",
+         lambda t: 1 if t["speculating"] else 0),
+        ("gemmactl_speculation_draft_length", "Tokens the tuner drafts a round (0: not chosen yet)",
+         lambda t: t["k"] or 0),
+        ("gemmactl_speculation_acceptance", "The tuner's estimate of the draft's acceptance rate",
+         lambda t: t["acceptance_estimate"]),
+        ("gemmactl_speculation_predicted_speedup", "The tuner's predicted speed over plain decoding",
+         lambda t: t["predicted_speedup"]),
+    ):
+        if not tuned:
+            break
+        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
+        for name, tuner in tuned.items():
+            if value(tuner) is not None:
+                lines.append(f'{metric}{{tier="{name}"}} {value(tuner)}')
     lines += ["# HELP gemmactl_peer_up 1 when the peer answered its last health check", "# TYPE gemmactl_peer_up gauge"]
     for peer in service.peers.snapshot():
         lines.append(f'gemmactl_peer_up{{peer="{_label(peer["url"])}"}} {1 if peer["healthy"] else 0}')
