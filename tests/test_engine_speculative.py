@@ -305,3 +305,22 @@ def test_serve_shows_the_tuners_decision_in_metrics(run_artifacts, tmp_path):
         assert f'gemmactl_speculation_acceptance{{tier="deep"}} {tuner["acceptance_estimate"]}' in text
     finally:
         service.close()
+
+
+def test_bench_reports_the_tuners_decision(run_artifacts, tmp_path):
+    """`bench` on an int4 tier with a draft in its recipe: the result's engine target carries the
+    tuner's summary (its decision at the end of the run) and the table's setup says it in one row."""
+    from conftest import run_gemmactl
+
+    target, draft = run_artifacts
+    recipe = tmp_path / "spec.yaml"
+    recipe.write_text(f"tiers:\n  deep:\n    model: {target}\n    backend: int4\n    context: 256\n"
+                      f"    speculative: {{type: draft, draft_model: {draft}, draft_max: 3}}\n")
+    proc = run_gemmactl(["bench", "--recipe", str(recipe), "--tier", "deep", "--prompts", "short", "--max-tokens", "16",
+                         "--repeat", "1", "--out", str(tmp_path / "bench")], env={"GEMMACTL_HOME": str(tmp_path / "home")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    spec = json.loads((tmp_path / "bench" / "result.json").read_text())["targets"]["gemmactl"]["speculation"]
+    assert spec["draft"] == str(draft) and spec["k_max"] == 3 and spec["mode"] == "tuned"
+    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("speculation"))
+    decision = "speculating" if spec["speculating"] else "decoding plainly"
+    assert f"draft {draft}, tuned k≤3: {decision}" in row

@@ -63,6 +63,14 @@ def _setup(result: dict) -> Section:
         ["gemmactl", f"{m['gemmactl_version']}; load average (1, 5, 15 min) at start "
                      f"{', '.join(f'{x:.2f}' for x in m.get('load_average_at_start') or [])}"],
     ]
+    spec = (result.get("targets", {}).get("gemmactl") or {}).get("speculation")
+    if spec:  # the engine's draft and the tuner's decision at the end of the run
+        decision = "speculating" if spec.get("speculating") else "decoding plainly"
+        figures = [f"k {spec['k']}" if spec.get("k") else None,
+                   f"acceptance ≈ {spec['acceptance_estimate']:.0%}" if spec.get("acceptance_estimate") is not None else None,
+                   f"predicted {spec['predicted_speedup']:.2f}× plain" if spec.get("predicted_speedup") else None]
+        rows.append(["speculation", f"draft {spec['draft']}, {spec['mode']} k≤{spec['k_max']}: {decision}"
+                                    + "".join(f", {f}" for f in figures if f)])
     notes = [f"{s['target']} skipped: {s['reason']}" for s in result["skipped"]]
     if settings.get("context_note"):
         notes.append(f"context {settings['context_note']}")
