@@ -110,3 +110,22 @@ def detect_machine() -> Machine:
         gpus=nvidia_gpus(),
         cuda_toolkit=cuda_toolkit(),
     )
+
+
+def process_gpu_bytes() -> int:
+    """This process's GPU memory as nvidia-smi reports it (CUDA context included); 0 without one."""
+    if not shutil.which("nvidia-smi"):
+        return 0
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    total = 0
+    for line in out.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
+            total += int(parts[1]) * 1024 * 1024
+    return total

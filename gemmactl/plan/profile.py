@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gemmactl.errors import InvalidOptionError
 from gemmactl.fileio import atomic_write_text
-from gemmactl.machine import Machine
+from gemmactl.machine import Machine, process_gpu_bytes
 
 DEFAULT_PROFILE = "desktop-4g"
 CACHE_NAME = "machine-profile.json"
@@ -194,8 +194,6 @@ def _gpu_numbers() -> dict | None:
     numbers = {"gpu_bandwidth": device_bw, "host_to_device": h2d, "gpu_flops": flops}
     # What the process holds outside torch's allocator (the CUDA context, cuBLAS, loaded kernels),
     # as nvidia-smi counts it: the reserve a budget must leave (docs/placement.md).
-    from gemmactl.plan.verify import process_gpu_bytes
-
     context = process_gpu_bytes() - torch.cuda.memory_reserved()
     if context > 0:
         numbers["gpu_reserve_bytes"] = context + RESERVE_MARGIN_BYTES

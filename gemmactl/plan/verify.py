@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import threading
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
+from gemmactl.machine import process_gpu_bytes
 from gemmactl.plan.solver import Budget, Placement, Plan, evaluate
 
 if TYPE_CHECKING:
@@ -45,25 +45,6 @@ class VerifyResult:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ratio": round(self.ratio, 3)}
-
-
-def process_gpu_bytes() -> int:
-    """This process's GPU memory as nvidia-smi reports it (CUDA context included); 0 without one."""
-    if not shutil.which("nvidia-smi"):
-        return 0
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10,
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    total = 0
-    for line in out.splitlines():
-        parts = [part.strip() for part in line.split(",")]
-        if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
-            total += int(parts[1]) * 1024 * 1024
-    return total
 
 
 class GpuMemorySampler:
