@@ -139,15 +139,14 @@ def verify_engine_plan(result, open_backend: Callable[..., Backend], *, store=No
     Without CUDA here, every layer runs on the CPU and the prediction is the engine's all-CPU
     cost with this machine's measured profile.
     """
+    import torch
+
     from gemmactl.machine import detect_machine
     from gemmactl.plan.auto import placement_of
     from gemmactl.plan.engine_map import cpu_decode_tok_s
     from gemmactl.plan.profile import machine_profile
     from gemmactl.runtime.base import GenerationRequest, GenerationStats, stream_generate
-    from gemmactl.runtime.engine.placement import EnginePlacement
     from gemmactl.store import Store
-
-    import torch
 
     plan, chosen = result.plan, result.engine
     store = store or Store()
@@ -164,8 +163,7 @@ def verify_engine_plan(result, open_backend: Callable[..., Backend], *, store=No
     if placement is None:
         counts["host"] = plan.inventory.shape.n_layers
     if announce is not None:
-        said = (EnginePlacement(placement.layers, placement.tables_on_host).summary() if placement is not None
-                else "every layer on the CPU (no usable GPU here)")
+        said = placement.summary() if placement is not None else "every layer on the CPU (no usable GPU here)"
         announce(f"loading the artifact in the engine with {said}, then decoding {VERIFY_TOKENS} tokens greedily")
     request = GenerationRequest(prompt=VERIFY_PROMPT, max_tokens=VERIFY_TOKENS, temperature=0.0, raw=True)
     draft = None
