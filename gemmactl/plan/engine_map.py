@@ -195,12 +195,7 @@ def plan_engine(artifact: Path, profile, vram_bytes: int, context: int, kv_mode:
     """The engine's map for an int4-stream artifact under a VRAM budget (profile: the machine's),
     its KV caches sized for kv_mode (runtime/engine/kv_modes.py; default bf16). With a draft, its
     GPU bytes come off the budget first and the model's rings keep the draft's spare slots."""
-    from gemmactl.formats.int4.reader import read_index
-    from gemmactl.runtime.engine.spec import model_spec
-
-    index = read_index(Path(artifact))
-    shapes = {r["name"]: tuple(r.get("stack_shape") or r["shape"]) for r in index.get("tensors", [])}
-    spec = model_spec(index.get("config") or {}, shapes)
+    index, spec = _index_and_spec(artifact)
     reserved = 0
     if draft is not None:
         reserved = draft_gpu_bytes(draft, profile, context, kv_mode)
@@ -208,6 +203,16 @@ def plan_engine(artifact: Path, profile, vram_bytes: int, context: int, kv_mode:
     chosen = _plan(index, spec, profile, vram_bytes, context, kv_mode, spare_slots, reserved)
     chosen.kv_mode = kv_mode or "bf16"
     return chosen
+
+
+def _index_and_spec(artifact: Path):
+    """The artifact's index and the model's shape read from it."""
+    from gemmactl.formats.int4.reader import read_index
+    from gemmactl.runtime.engine.spec import model_spec
+
+    index = read_index(Path(artifact))
+    shapes = {r["name"]: tuple(r.get("stack_shape") or r["shape"]) for r in index.get("tensors", [])}
+    return index, model_spec(index.get("config") or {}, shapes)
 
 
 def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: str | None, spare_slots: int = 0,
@@ -321,13 +326,9 @@ def cpu_decode_tok_s(artifact: Path, profile, context: int, kv_mode: str | None 
     """The engine's predicted decode rate with every layer and the head on the CPU (a machine
     without a GPU): each layer costs as a host layer of the map does, without the link; the head
     and the per-layer-input projection are read dense too."""
-    from gemmactl.formats.int4.reader import read_index
     from gemmactl.runtime.engine.kernels import linear_bytes
-    from gemmactl.runtime.engine.spec import model_spec
 
-    index = read_index(Path(artifact))
-    shapes = {r["name"]: tuple(r.get("stack_shape") or r["shape"]) for r in index.get("tensors", [])}
-    spec = model_spec(index.get("config") or {}, shapes)
+    index, spec = _index_and_spec(artifact)
     costs, _, _ = _costs(index, spec, context, kv_mode)
     dense_globals = 0
     for record in index.get("tensors", []):
