@@ -72,7 +72,7 @@ def engine_greedy(engine, prompt, steps, chunk=None, decoder=None, bounded=True)
     return tokens, first
 
 
-@pytest.mark.parametrize("kind", ["dense-ple", "shared-kv", "e2b-tiny", "gemma3-tiny", "moe"])
+@pytest.mark.parametrize("kind", ["dense-ple", "shared-kv", "e2b-tiny", "e4b-tiny", "gemma3-tiny", "moe"])
 def test_engine_logits_and_greedy_tokens_equal_transformers(artifacts, kind):
     from gemmactl.runtime.engine.model import GemmaModel
     from gemmactl.runtime.int4_model import build_model
@@ -202,6 +202,55 @@ def test_gpu_engine_with_its_captured_step_equals_transformers(artifacts, kind, 
     assert step.graph is not None
     tokens, logits = engine_greedy(engine, PROMPT, STEPS, decoder=step)
     assert (logits - expected_logits).abs().max() <= 1e-3 * expected_logits.abs().max()  # TF32 matmuls
+    assert tokens == expected
+
+
+@pytest.mark.parametrize("layers, tables_on_host, setting, compile_, capture", [
+    ("RRRR", False, "auto", True, True),    # resident: fused and captured
+    ("RRSS", False, "auto", False, False),  # streamed: eager unless asked
+    ("RRSS", False, "on", False, True),     # asked: captured, never fused (copies on another stream)
+    ("RRRR", True, "on", False, True),      # tables in host memory: rows gathered outside the graph
+    ("RRSH", False, "on", False, False),    # a layer on the host cannot be captured
+    ("RRRR", False, "off", False, False),
+])
+def test_what_is_compiled_and_captured_follows_the_placement(layers, tables_on_host, setting, compile_, capture,
+                                                             monkeypatch):
+    from types import SimpleNamespace
+
+    from gemmactl.runtime.engine.graph import COMPILE_ENV, GRAPH_ENV, wanted
+    from gemmactl.runtime.engine.placement import EnginePlacement
+
+    kinds = {"R": "resident", "S": "streamed", "H": "host"}
+    model = SimpleNamespace(placement=EnginePlacement(tuple(kinds[k] for k in layers), tables_on_host=tables_on_host),
+                            experts=None, device=torch.device("cuda"))
+    monkeypatch.setenv(COMPILE_ENV, "auto" if setting == "on" else setting)
+    monkeypatch.setenv(GRAPH_ENV, setting)
+    assert (wanted(COMPILE_ENV, model), wanted(GRAPH_ENV, model)) == (compile_, capture)
+    model.device = torch.device("cpu")  # no GPU: eager, unless capture is forced for a resident model
+    assert not wanted(GRAPH_ENV, model) or (setting == "on" and model.placement.resident_only)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["e2b-tiny", "e4b-tiny"])
+def test_gpu_streamed_layers_are_captured_and_decode_like_eager(artifacts, kind, monkeypatch):
+    """Half the layers streamed and the tables in host memory: the step is captured (copies and
+    their events in the graph, the rows gathered outside it) and gives the eager step's tokens
+    and logits, which it would not if a replay read a staging area before its copy landed."""
+    from gemmactl.runtime.engine.graph import DecodeStep
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.engine.placement import RESIDENT, STREAMED, EnginePlacement
+
+    monkeypatch.setenv("GEMMACTL_ENGINE_KERNEL", "dense")
+    monkeypatch.setenv("GEMMACTL_ENGINE_GRAPH", "on")
+    artifact = artifacts(kind)
+    n = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64).spec.n_layers
+    placement = EnginePlacement((RESIDENT,) * (n // 2) + (STREAMED,) * (n - n // 2), tables_on_host=True)
+    engine = GemmaModel(artifact, device="cuda", dtype=torch.float32, context=64, placement=placement)
+    expected, expected_logits = engine_greedy(engine, PROMPT, STEPS)  # eager, bounded
+    step = DecodeStep(engine)
+    assert step.graph is not None and not step.compiled
+    tokens, logits = engine_greedy(engine, PROMPT, STEPS, decoder=step)
+    assert (logits - expected_logits).abs().max() <= 1e-3 * expected_logits.abs().max()
     assert tokens == expected
 
 

@@ -53,6 +53,17 @@ TINY_CONFIGS: dict[str, dict] = {
         use_double_wide_mlp=True,
         final_logit_softcapping=30.0,
     ),
+    # The E4B arrangement: (5 sliding + 1 full) × 2, grouped queries (2 per KV head), shared KV.
+    "e4b-tiny": dict(
+        _TINY,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=([SLIDING] * 5 + [FULL]) * 2,
+        hidden_size_per_layer_input=16,
+        num_kv_shared_layers=4,
+        final_logit_softcapping=30.0,
+    ),
     # 26B-A4B style: (5 sliding + 1 full) × 2, 8 experts top-2, K = V with one global KV head.
     "moe": dict(
         _TINY,
@@ -88,6 +99,26 @@ E2B = dict(
     max_position_embeddings=131_072,
 )
 
+# Gemma 4 E4B's text shape (42 layers, (5 sliding + 1 full) × 7, the last 18 reading shared KV;
+# llama.cpp's gemma4 loader knows a 42-layer model as E4B, hidden 2560, feed-forward 10240).
+E4B = dict(
+    hidden_size=2560,
+    intermediate_size=10240,
+    num_hidden_layers=42,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    global_head_dim=512,
+    sliding_window=512,
+    vocab_size=262_144,
+    vocab_size_per_layer_input=262_144,
+    hidden_size_per_layer_input=256,
+    num_kv_shared_layers=18,
+    final_logit_softcapping=30.0,
+    layer_types=([SLIDING] * 5 + [FULL]) * 7,
+    max_position_embeddings=131_072,
+)
+
 # Gemma 3 270M, as recorded in the embedded GGUF's metadata (same shapes, so the same speed).
 GEMMA3_270M = dict(
     hidden_size=640,
@@ -109,7 +140,7 @@ GEMMA3_TINY = dict(
     layer_types=([SLIDING] * 5 + [FULL]) * 2,
 )
 
-FULL_SIZE = {"e2b": ("gemma4", E2B), "gemma3-270m": ("gemma3", GEMMA3_270M), "gemma3-tiny": ("gemma3", GEMMA3_TINY)}
+FULL_SIZE = {"e2b": ("gemma4", E2B), "e4b": ("gemma4", E4B), "gemma3-270m": ("gemma3", GEMMA3_270M), "gemma3-tiny": ("gemma3", GEMMA3_TINY)}
 KINDS = tuple(TINY_CONFIGS) + tuple(FULL_SIZE)
 
 

@@ -6,6 +6,15 @@ output (logits) live in static buffers, and the KV caches are written in place a
 tensor, so one capture serves every step. torch.compile fuses the step's small operations before
 capture (its own cudagraphs are not used: they refuse a step that writes its caches in place);
 its compiled code is kept on disk (TORCHINDUCTOR_CACHE_DIR), so a warm start does not compile again.
+
+A model that streams layers can be captured too (GEMMACTL_ENGINE_GRAPH=on; not yet the default,
+as it has not been measured on a GPU), without compile fusion: the graph holds the copies from
+pinned host memory into the staging areas on their own stream, and the events that order them
+against the compute, so a replay overlaps copy and compute as the eager step does, without the
+host launching each kernel. Embedding tables in host memory are read outside the graph (a row
+gather on the host), and the rows enter it through static buffers. Eager, such a step is bound by
+the host's launches: an E4B-shaped step took 65 ms on an H200 with every layer resident, where
+the copies of half its layers take 26 ms (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -15,17 +24,23 @@ import time
 
 import torch
 
+from gemmactl.runtime.engine.placement import HOST
+
 COMPILE_ENV = "GEMMACTL_ENGINE_COMPILE"  # auto (on for CUDA) | on | max (inductor's autotuning too) | off
 GRAPH_ENV = "GEMMACTL_ENGINE_GRAPH"  # auto (on for CUDA) | off
 
 
 def wanted(env: str, model) -> bool:
-    """Whether to compile / capture: on CUDA by default, and never for a model that streams layers
-    or runs some on the host (copies between streams and host compute stay eager), nor for MoE
-    experts (which experts a step runs, and whether they are cached, is decided on the host)."""
+    """Whether to compile / capture: on CUDA by default where every layer and table is resident.
+    Never for a model that runs layers on the host (host compute cannot be captured), nor for MoE
+    experts (which experts a step runs, and whether they are cached, is decided on the host).
+    Streamed layers or tables in host memory: captured unfused, and only when GRAPH_ENV is on."""
     setting = os.environ.get(env, "auto").lower()
-    if setting in ("off", "0", "false") or not model.placement.resident_only or model.experts is not None:
+    placement = model.placement
+    if setting in ("off", "0", "false") or HOST in placement.layers or model.experts is not None:
         return False
+    if not placement.resident_only:
+        return env == GRAPH_ENV and setting == "on" and model.device.type == "cuda"
     return model.device.type == "cuda" if setting == "auto" else True
 
 
@@ -56,16 +71,23 @@ class DecodeStep:
 
     def _capture(self) -> None:
         model = self.model
+        if model.placement.tables_on_host:
+            # The host's row gather stays outside; the graph starts from the gathered rows.
+            with torch.inference_mode():
+                self.x, self.per_layer = model.embed_tokens(self.token)
+            body = lambda: model.forward(self.x, self.per_layer, self.position)  # noqa: E731
+        else:
+            body = lambda: self._step(self.token, self.position)  # noqa: E731
         # Warm up on a side stream (compilation, cuBLAS handles, allocator), then capture.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(3):
-                self._step(self.token, self.position)
+                body()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.inference_mode():
-            self.logits = self._step(self.token, self.position)  # [V], a static output buffer
+            self.logits = body()  # [V], a static output buffer
         model.reset()  # the warm-up and capture wrote position 0 of the caches
 
     def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
@@ -75,5 +97,11 @@ class DecodeStep:
                 return self._step(token.reshape(1), torch.tensor([position], device=self.model.device), position + 1)
         self.token.copy_(token.reshape(1))
         self.position.fill_(position)
+        if self.model.placement.tables_on_host:
+            with torch.inference_mode():
+                x, per_layer = self.model.embed_tokens(self.token)
+                self.x.copy_(x)
+                if per_layer is not None:
+                    self.per_layer.copy_(per_layer)
         self.graph.replay()
         return self.logits

@@ -243,7 +243,9 @@ class RepackCache:
     def put(self, record, packed, sz) -> None:
         if self._file(record).is_file():
             return
-        self._pending[record.key] = (record, packed, sz)
+        # Held in host memory until save(): a streamed layer's device copy must go as soon as
+        # it is staged, or a first load would keep every streamed layer on the device at once.
+        self._pending[record.key] = (record, packed.cpu(), sz.cpu())
 
     def save(self) -> None:
         """Write what this load repacked (skipped silently where the artifact's folder is read-only)."""

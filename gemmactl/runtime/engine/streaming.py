@@ -59,6 +59,11 @@ class LayerStreamer:
     Per step: `begin()` starts copying the first streamed layer; `fetch(i)` waits for layer i's
     copy, starts the next one into the other area, and returns the area layer i is in; `release(i)`
     marks its area free once its compute is queued.
+
+    Every wait is on work of the same step: `begin()` orders the copy stream after everything the
+    compute stream has queued (the previous step included), and a copy waits for its area's
+    release only once that area was released in this step. So the step can be captured in a CUDA
+    graph, which cannot wait on events recorded outside its capture.
     """
 
     def __init__(self, staged: list[StagedLayer], device: torch.device):
@@ -79,8 +84,7 @@ class LayerStreamer:
             self.copy_stream = torch.cuda.Stream(device=device)
             self.copied = [torch.cuda.Event(), torch.cuda.Event()]
             self.free = [torch.cuda.Event(), torch.cuda.Event()]
-            for event in self.free:
-                event.record()
+        self.released: set[int] = set()  # areas released in this step
 
     @property
     def staging_bytes(self) -> int:
@@ -92,12 +96,16 @@ class LayerStreamer:
             self.areas[slot][:layer.nbytes].copy_(layer.host)
             return
         with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(self.free[slot])
+            if slot in self.released:
+                self.copy_stream.wait_event(self.free[slot])
             self.areas[slot][:layer.nbytes].copy_(layer.host, non_blocking=True)
             self.copied[slot].record(self.copy_stream)
 
     def begin(self) -> None:
+        self.released = set()
         if self.order:
+            if self.cuda:
+                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             self._copy(self.order[0])
 
     def fetch(self, index: int) -> int:
@@ -112,4 +120,6 @@ class LayerStreamer:
 
     def release(self, index: int) -> None:
         if self.cuda:
-            self.free[self.slot_of[index]].record(torch.cuda.current_stream(self.device))
+            slot = self.slot_of[index]
+            self.free[slot].record(torch.cuda.current_stream(self.device))
+            self.released.add(slot)

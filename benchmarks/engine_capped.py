@@ -1,0 +1,226 @@
+"""The engine under a VRAM cap, beside llama.cpp and accelerate at the same cap.
+
+One model in three forms (an int4-stream artifact, a Q4_K_M GGUF and the bfloat16 checkpoint they
+came from), one cap, one prompt:
+
+1. The cap: unless --cap is given, the smallest multiple of 64 MiB whose engine map keeps at least
+   --share of the layers resident on the GPU (so about half of them stream or run on the CPU).
+2. The engine: `plan --backend int4 --verify` (measured decode against the map's prediction), then
+   `gemmactl run` on a recipe tier with that cap (decode, wall clock and TTFT on the prompt).
+3. llama.cpp: the GGUF's plan at the same cap; llama-bench with the plan's -ngl/-ot (decode-only
+   tg and pp), then `gemmactl run` on a llama.cpp tier with that cap (its wall clock and TTFT).
+4. accelerate: transformers `from_pretrained(device_map="auto", max_memory={0: cap})` in bfloat16,
+   greedy `generate` on the same prompt (TTFT, decode, wall).
+
+Every run is its own process; the GPU memory it used (nvidia-smi, the device's used memory above
+the idle baseline, sampled every 50 ms) is recorded against the cap. Prints a markdown table and
+writes OUT/engine_capped.json.
+
+    python benchmarks/engine_capped.py --artifact DIR --gguf FILE --hf-model DIR --bench llama-bench --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_plan import bench_tg, run_sampled  # noqa: E402
+
+STEP = 64 << 20
+ACCELERATE = r"""
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path, cap, tokens, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), open(sys.argv[4]).read()
+start = time.perf_counter()
+tok = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="auto",
+                                             max_memory={0: cap, "cpu": 1 << 40}).eval()
+load_s = time.perf_counter() - start
+ids = tok(prompt, return_tensors="pt").to(model.device)
+times = []
+class Clock:
+    seen = False
+    def put(self, value):
+        if not self.seen:
+            self.seen = True
+            return
+        times.extend([time.perf_counter()] * int(value.numel()))
+    def end(self):
+        pass
+with torch.inference_mode():
+    model.generate(**ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(**ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, streamer=Clock())
+placed = {}
+# A map of one device (everything where the first module fit) is not recorded as a map.
+for device in getattr(model, "hf_device_map", {"": str(model.device)}).values():
+    placed[str(device)] = placed.get(str(device), 0) + 1
+print(json.dumps({"load_s": load_s, "prompt_tokens": int(ids["input_ids"].shape[1]), "generated_tokens": len(times),
+                  "ttft_s": times[0] - start, "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
+                  "wall_tok_s": len(times) / (times[-1] - start), "modules_per_device": placed,
+                  "torch_peak_allocated_bytes": torch.cuda.max_memory_allocated()}))
+"""
+
+
+def gemmactl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gemmactl", *args]
+
+
+def choose_cap(artifact: str, context: int, share: float) -> tuple[int, dict]:
+    """The smallest multiple of STEP whose engine map keeps share of the layers resident, walking up
+    from the least budget the map works in (as the plan with the whole GPU reports it)."""
+    from gemmactl.plan.report import build_plan
+
+    whole = build_plan(artifact, context=context, backend="int4", remeasure=True).engine
+    cap = -(-whole.minimum_vram_bytes // STEP) * STEP
+    while True:
+        engine = build_plan(artifact, vram=f"{cap >> 20}M", context=context, backend="int4").engine
+        if engine.layers.count("resident") >= share * len(engine.layers) or engine.layers == whole.layers:
+            return cap, engine.to_dict()
+        cap += STEP
+
+
+def sampled_json(cmd: list[str], log: Path) -> tuple[dict, int, int]:
+    """Run cmd under the GPU memory sampler; (its JSON stdout or {}, peak MiB, exit status)."""
+    proc, peak = run_sampled(cmd, log)
+    try:
+        data = json.loads(proc.stdout) if proc.stdout.strip() else {}
+    except ValueError:
+        data = {}
+    return data, peak, proc.returncode
+
+
+def write_recipe(path: Path, artifact: str, gguf: str, cap_mib: int, context: int, tokens: int) -> None:
+    tiers = {
+        "engine": {"model": artifact, "backend": "int4"},
+        "llamacpp": {"model": gguf, "backend": "llamacpp"},
+    }
+    lines = ["name: capped", "description: one model under one VRAM cap on two back ends", "default_tier: engine",
+             "tiers:"]
+    for name, tier in tiers.items():
+        lines += [f"  {name}:", f"    description: {tier['backend']} at {cap_mib} MiB",
+                  f"    model: {json.dumps(tier['model'])}", f"    backend: {tier['backend']}",
+                  f"    context: {context}", f"    vram: {cap_mib}M", "    sampling:", "      temperature: 0",
+                  f"      max_tokens: {tokens}"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run_row(stats: dict, peak: int, status: int) -> dict:
+    keys = ("load_s", "ttft_s", "prompt_tokens", "generated_tokens", "decode_tok_s", "wall_tok_s")
+    return {**{k: stats.get(k) for k in keys}, "peak_mib": peak, "exit": status}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--artifact", required=True, help="int4-stream artifact")
+    parser.add_argument("--gguf", required=True, help="Q4_K_M GGUF of the same model")
+    parser.add_argument("--hf-model", help="bfloat16 checkpoint for accelerate (left out: no accelerate row)")
+    parser.add_argument("--bench", required=True, help="llama-bench of the CUDA build")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cap", help="VRAM cap (default: chosen by --share)")
+    parser.add_argument("--share", type=float, default=0.5, help="share of layers resident at the chosen cap")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--accelerate-tokens", type=int, default=16)
+    parser.add_argument("--prompt-words", type=int, default=380, help="about 512 tokens")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from gemmactl.plan.report import build_plan, plan_dict
+    from gemmactl.sizes import parse_size
+
+    start = time.perf_counter()
+    if args.cap:
+        cap = parse_size(args.cap)
+        engine_map = build_plan(args.artifact, vram=args.cap, context=args.context, backend="int4").engine.to_dict()
+    else:
+        cap, engine_map = choose_cap(args.artifact, args.context, args.share)
+    cap_mib = cap >> 20
+    vram = f"{cap_mib}M"
+    result: dict = {"command": " ".join(sys.argv), "cap_mib": cap_mib, "context": args.context, "tokens": args.tokens,
+                    "engine_map": {k: engine_map[k] for k in ("counts", "tables", "gpu_bytes", "link_bytes_per_token",
+                                                              "decode_tok_s")},
+                    "cap_chosen_in_s": round(time.perf_counter() - start, 1)}
+    words = ("the quick brown fox jumps over the lazy dog while a careful engineer measures every step "
+             "of the run and writes each figure down beside the command that made it").split()
+    prompt = " ".join(words[i % len(words)] for i in range(args.prompt_words))
+    prompt_file = args.out / "prompt.txt"
+    prompt_file.write_text(prompt)
+
+    verify, peak, status = sampled_json(
+        gemmactl("plan", args.artifact, "--backend", "int4", "--vram", vram, "--context", str(args.context),
+                 "--verify", "--json"), args.out / "engine-verify.log")
+    result["engine_verify"] = {**verify.get("verify", {}), "sampled_peak_mib": peak, "exit": status}
+
+    recipe = args.out / "capped.yaml"
+    write_recipe(recipe, args.artifact, args.gguf, cap_mib, args.context, args.tokens)
+    for tier in ("engine", "llamacpp"):
+        data, peak, status = sampled_json(
+            gemmactl("run", "--recipe", str(recipe), "--tier", tier, "--raw", "--json", "--max-tokens",
+                     str(args.tokens), prompt), args.out / f"run-{tier}.log")
+        result[f"run_{tier}"] = {**run_row(data.get("stats", {}), peak, status),
+                                 "engine": (data.get("model") or {}).get("engine"), "notices": data.get("notices")}
+
+    built = build_plan(args.gguf, vram=vram, context=args.context)
+    plan = plan_dict(built.plan, built)
+    plan_args = ["-ngl", str(plan["llama_cpp_args"]["-ngl"])]
+    if plan["llama_cpp_args"]["-ot"]:
+        plan_args += ["-ot", ";".join(plan["llama_cpp_args"]["-ot"])]
+    proc, peak = run_sampled([args.bench, "-m", args.gguf, "-p", "512", "-n", str(args.tokens), "-r", "3", "-o", "json",
+                              *plan_args], args.out / "llama-bench.log")
+    tg, pp, ngl = bench_tg(proc)
+    result["llama_bench"] = {"args": plan_args, "tg_tok_s": tg, "pp_tok_s": pp, "n_gpu_layers": ngl, "peak_mib": peak,
+                             "exit": proc.returncode, "predicted_decode_tok_s": plan["predicted"]["decode_tok_s"]}
+
+    if args.hf_model:
+        data, peak, status = sampled_json(
+            [sys.executable, "-c", ACCELERATE, args.hf_model, str(cap), str(args.accelerate_tokens), str(prompt_file)],
+            args.out / "accelerate.log")
+        result["accelerate"] = {**data, "peak_mib": peak, "exit": status}
+
+    (args.out / "engine_capped.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    print(table(result))
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}×" if a and b else "-"
+
+
+def table(r: dict) -> str:
+    """The markdown table of one run: rates, ratios of the engine to each, peaks against the cap."""
+    fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
+    cap, eng, lcpp = r["cap_mib"], r["run_engine"], r["run_llamacpp"]
+    v, lb, acc = r["engine_verify"], r["llama_bench"], r.get("accelerate", {})
+    rows = [
+        "| run | decode tok/s | wall tok/s | TTFT s | peak MiB (cap %d) | predicted decode |" % cap,
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| engine, `plan --verify` | {fmt(v.get('measured_decode_tok_s'))} | | | {v.get('sampled_peak_mib')} | "
+        f"{fmt(v.get('predicted_decode_tok_s'))} |",
+        f"| engine, `run` | {fmt(eng['decode_tok_s'])} | {fmt(eng['wall_tok_s'])} | {fmt(eng['ttft_s'], '.3f')} | "
+        f"{eng['peak_mib']} | |",
+        f"| llama.cpp, llama-bench `{' '.join(lb['args'])}` | {fmt(lb['tg_tok_s'])} | | | {lb['peak_mib']} | "
+        f"{fmt(lb['predicted_decode_tok_s'])} |",
+        f"| llama.cpp, `run` | {fmt(lcpp['decode_tok_s'])} | {fmt(lcpp['wall_tok_s'])} | {fmt(lcpp['ttft_s'], '.3f')} | "
+        f"{lcpp['peak_mib']} | |",
+    ]
+    if acc:
+        rows.append(f"| accelerate bf16 | {fmt(acc.get('decode_tok_s'), '.2f')} | {fmt(acc.get('wall_tok_s'), '.2f')} | "
+                    f"{fmt(acc.get('ttft_s'), '.3f')} | {acc.get('peak_mib')} | |")
+    rows += ["", "| engine ÷ | decode | wall | TTFT (theirs ÷ ours) |", "| --- | --- | --- | --- |",
+             f"| llama.cpp (llama-bench tg) | {_ratio(v.get('measured_decode_tok_s'), lb['tg_tok_s'])} | | |",
+             f"| llama.cpp (`run`) | {_ratio(eng['decode_tok_s'], lcpp['decode_tok_s'])} | "
+             f"{_ratio(eng['wall_tok_s'], lcpp['wall_tok_s'])} | {_ratio(lcpp['ttft_s'], eng['ttft_s'])} |"]
+    if acc:
+        rows.append(f"| accelerate | {_ratio(eng['decode_tok_s'], acc.get('decode_tok_s'))} | "
+                    f"{_ratio(eng['wall_tok_s'], acc.get('wall_tok_s'))} | {_ratio(acc.get('ttft_s'), eng['ttft_s'])} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()
