@@ -126,12 +126,19 @@ def test_plan_backend_int4_shows_the_engine_map(artifact, runner):
     assert "engine: 0 layers on the GPU" in text.output and "streamed" in text.output
 
 
-def test_plan_backend_int4_under_the_minimum_is_one_line(artifact, runner):
-    short = f"{whole(artifact).minimum_vram_bytes - 1}B"  # llama.cpp's view still fits it: the engine's says no
+@pytest.mark.parametrize("below_llamacpp_too", [False, True])
+def test_plan_backend_int4_under_the_minimum_is_one_line(artifact, runner, below_llamacpp_too):
+    """Under the engine's least budget the error names the engine's, even where llama.cpp's view of
+    the model (a smaller least budget: no CUDA context, no staging) would refuse first."""
+    from gemmactl.sizes import format_size
+
+    minimum = whole(artifact).minimum_vram_bytes
+    short = "1M" if below_llamacpp_too else f"{minimum - 1}B"
     result = invoke(runner, ["plan", str(artifact), "--backend", "int4", "--hardware", "desktop-4g",
                              "--vram", short, "--context", str(CONTEXT)])
     assert result.exit_code != 0
     assert "the engine needs at least" in result.output and "Traceback" not in result.output
+    assert format_size(minimum) in result.output
 
 
 def test_plan_backend_int4_on_a_checkpoint_says_to_quantize_first(tiny_gemma4, runner):

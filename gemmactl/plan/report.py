@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gemmactl.errors import InvalidOptionError
+from gemmactl.errors import BudgetTooSmallError, InvalidOptionError
 from gemmactl.plan.inventory import GLOBAL_KINDS, take_inventory, with_kv_type
 from gemmactl.plan.llama_args import llama_cpp_args, torch_device_map
 from gemmactl.plan.profile import DEFAULT_PROFILE, HardwareProfile, gpu_free_bytes, load_profile, machine_profile
@@ -123,7 +123,17 @@ def build_plan(
     if not profile.has_gpu or profile.gpu_bandwidth <= 0:
         profile = replace(profile, vram_bytes=0)
     budget = Budget(vram_bytes if profile.has_gpu else 0, ram_bytes)
-    plan = plan_placement(inventory, profile, budget, context=context, parallel=parallel)
+    engine_planned = backend == "int4" and inventory.source == "int4-stream" and profile.has_gpu
+    try:
+        plan = plan_placement(inventory, profile, budget, context=context, parallel=parallel)
+    except BudgetTooSmallError:
+        if engine_planned and not longest:
+            # The engine's least budget is its own (its CUDA context, staging areas): say that one,
+            # not llama.cpp's, which would send the user to a budget the engine refuses.
+            from gemmactl.plan.engine_map import plan_engine_or_say_the_longest
+
+            plan_engine_or_say_the_longest(path, profile, vram_bytes, context, kv_cache, need)
+        raise
     plan.budget = Budget(vram_bytes, ram_bytes)
     engine = None
     if backend == "int4" and inventory.source == "int4-stream":
