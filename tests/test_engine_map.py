@@ -165,6 +165,7 @@ def test_moe_experts_get_the_room_the_layers_leave(moe_artifact, runner):
     index = read_index(moe_artifact)
     experts = {(r["layer"], r["expert"]) for r in index["tensors"] if r.get("expert") is not None}
     assert everything.experts == len(experts) == 96 and set(everything.layers) == {"resident"}
+    assert everything.tables_on_host  # their room goes to experts, even where both would fit
     assert everything.expert_cache_bytes == 96 * everything.expert_bytes  # room for all
     assert everything.host_bytes >= sum(r["nbytes"] for r in index["tensors"] if r.get("expert") is not None)
     tight = everything.gpu_total - 10 * everything.expert_bytes - 1  # ten experts less than everything
@@ -326,3 +327,15 @@ def test_a_draft_that_does_not_fit_beside_the_model_is_dropped_with_a_reason(art
     assert placement is not None and kept.problem.startswith("it does not fit beside the model in the GPU budget")
     placement, kept = _engine_placement_with_draft(model, CONTEXT, 4096 * MiB, store, None, draft)
     assert kept == draft and set(placement.layers) == {"resident"}
+
+
+@pytest.mark.parametrize("setting, expected", [("rows", 1000 * 64 + 1000 * 2), ("dense", 1000 * 64 * 2)])
+def test_a_plan_for_a_gpu_elsewhere_counts_int8_rows_as_its_cuda_install_holds_them(monkeypatch, setting, expected):
+    """Planned on a machine without CUDA (and without Triton, as here and in CI), the target's head
+    of int8 rows counts as int8, as torch's CUDA install (which ships Triton) holds it there."""
+    from gemmactl.runtime.engine import int8_gemv, kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(int8_gemv, "available", lambda device: False)
+    monkeypatch.setenv(kernels.INT8_ENV, setting)
+    assert kernels.linear_bytes("int8", (1000, 64), None, cuda=True) == expected

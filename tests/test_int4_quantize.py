@@ -269,3 +269,38 @@ def test_progress_counts_encoding_work_and_a_resumed_run_starts_at_what_is_done(
     again = []
     quantize_checkpoint(checkpoint, tmp_path / "art", options, progress=lambda done, total: again.append(done))
     assert again[0] == total
+
+
+# -- a random model written straight to int4-stream (what the 26B-A4B benchmark uses) ------------
+
+
+@pytest.mark.parametrize("kind", ["moe", "e2b-tiny"])
+def test_a_random_artifact_has_the_records_of_a_quantized_checkpoint(tiny_gemma4, tmp_path, kind):
+    """write_random_int4 writes no checkpoint, yet the same records (names, experts, shapes, schemes,
+    dtypes) as quantizing a saved random checkpoint of the kind; its weights decode with
+    transformers' spread (std 0.02), its norms are ones, and the engine and the plan take it."""
+    from gemmactl.formats.int4.layout import QuantizeOptions
+    from gemmactl.formats.int4.quantize import quantize_checkpoint
+    from gemmactl.formats.int4.reader import open_artifact
+    from gemmactl.plan.report import build_plan
+    from gemmactl.runtime.engine.model import GemmaModel
+    from helpers.random_gemma import write_random_int4
+
+    made = open_artifact(write_random_int4(kind, tmp_path / "random", group_size=32))
+    quantize_checkpoint(tiny_gemma4(kind), tmp_path / "quantized", QuantizeOptions(group_size=32, search=False))
+    reference = open_artifact(tmp_path / "quantized")
+    fields = lambda artifact: {(r.key, r.shape, r.scheme, r.group_size, r.dtype) for r in artifact.records}  # noqa: E731
+    assert fields(made) == fields(reference)
+    assert made.config["model_type"] == reference.config["model_type"]
+
+    weight = made.decode(made.record("model.layers.0.self_attn.q_proj.weight"), "cpu", torch.float32)
+    assert 0.018 < float(weight.std()) < 0.022 and abs(float(weight.mean())) < 0.002
+    norm = made.load_tensor("model.layers.0.input_layernorm.weight", "cpu", torch.float32)
+    assert bool((norm == 1).all())
+
+    engine = GemmaModel(made, device="cpu", dtype=torch.float32, context=64)
+    with torch.inference_mode():
+        logits = engine.step(torch.tensor([2, 818, 5279]), torch.arange(3), 3)
+    assert bool(torch.isfinite(logits).all()) and float(logits.std()) > 0
+    plan = build_plan(str(tmp_path / "random"), backend="int4", hardware="desktop-4g", vram="2G", context=256)
+    assert plan.engine is not None and plan.engine.gpu_total <= 2 << 30

@@ -240,7 +240,9 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
     # The least that works: nothing resident, tables in RAM, staging for the largest layer.
     minimum = sum(fixed.values()) + kv_all + 2 * largest
     layers_total = sum(c.device_bytes for c in costs)
-    for tables_on_host in (False, True):
+    # Tables on the GPU save only their rows' crossing per token; an MoE model's cached experts
+    # are worth far more of the same room, so its tables stay in host memory.
+    for tables_on_host in ((True,) if experts else (False, True)):
         need = sum(fixed.values()) + kv_all + layers_total + (0 if tables_on_host else table_bytes)
         if need <= vram_bytes:
             gpu = {**fixed, "kv": kv_all, "tables": 0 if tables_on_host else table_bytes, "layers": layers_total, "staging": 0}

@@ -7,6 +7,7 @@ embedded GGUF) stand in for models whose weights a measuring machine does not ha
 weights run exactly as fast as trained ones of the same shapes and quantization.
 
     python tests/helpers/random_gemma.py e2b OUT_DIR --vocab ggml-vocab-gemma-4.gguf [--device cuda]
+    python tests/helpers/random_gemma.py 26b-a4b OUT_DIR --vocab ggml-vocab-gemma-4.gguf --int4-stream
 """
 
 from __future__ import annotations
@@ -119,6 +120,32 @@ E4B = dict(
     max_position_embeddings=131_072,
 )
 
+# Gemma 4 26B-A4B's text shape: 30 layers, (5 sliding + 1 full) × 5, 128 experts of width 704 with
+# 8 used per token beside a dense MLP of 2112, global layers with 2 KV heads whose keys are their
+# values (llama.cpp's gemma4 loader knows a 30-layer model as 26B-A4B). 25.2B parameters, 22.8B
+# of them in experts: written straight to int4-stream (write_random_int4), never as a checkpoint.
+A26B = dict(
+    hidden_size=2816,
+    intermediate_size=2112,
+    num_hidden_layers=30,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    num_global_key_value_heads=2,
+    head_dim=256,
+    global_head_dim=512,
+    sliding_window=1024,
+    vocab_size=262_144,
+    hidden_size_per_layer_input=0,
+    enable_moe_block=True,
+    num_experts=128,
+    top_k_experts=8,
+    moe_intermediate_size=704,
+    attention_k_eq_v=True,
+    final_logit_softcapping=30.0,
+    layer_types=([SLIDING] * 5 + [FULL]) * 5,
+    max_position_embeddings=262_144,
+)
+
 # Gemma 3 270M, as recorded in the embedded GGUF's metadata (same shapes, so the same speed).
 GEMMA3_270M = dict(
     hidden_size=640,
@@ -140,7 +167,7 @@ GEMMA3_TINY = dict(
     layer_types=([SLIDING] * 5 + [FULL]) * 2,
 )
 
-FULL_SIZE = {"e2b": ("gemma4", E2B), "e4b": ("gemma4", E4B), "gemma3-270m": ("gemma3", GEMMA3_270M), "gemma3-tiny": ("gemma3", GEMMA3_TINY)}
+FULL_SIZE = {"e2b": ("gemma4", E2B), "e4b": ("gemma4", E4B), "26b-a4b": ("gemma4", A26B), "gemma3-270m": ("gemma3", GEMMA3_270M), "gemma3-tiny": ("gemma3", GEMMA3_TINY)}
 KINDS = tuple(TINY_CONFIGS) + tuple(FULL_SIZE)
 
 
@@ -203,6 +230,79 @@ def build_random_assistant(target_kind: str, out_dir: Path, *, seed: int = 1, la
     return Path(out_dir)
 
 
+def write_random_int4(kind: str, out_dir: Path, *, seed: int = 0, vocab: Path | None = None, group_size: int = 64,
+                      progress=None) -> Path:
+    """Write a random model of a kind straight to an int4-stream artifact: the records a quantized
+    checkpoint of it would have, with random codes and sane scales, and no checkpoint on disk or
+    in memory (one block of rows at a time). Decoded weights are uniform with the standard
+    deviation of transformers' initialisation (0.02); norms and scalars are ones, as it makes them."""
+    import json
+    import tempfile
+    import zlib
+
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma4ForCausalLM
+
+    from gemmactl.formats.int4.checkpoint import Checkpoint, SourceTensor
+    from gemmactl.formats.int4.layout import QuantizeOptions
+    from gemmactl.formats.int4.quantize import write_artifact
+    from gemmactl.formats.int4.spec import padded_cols
+
+    config = gemma_config(kind)
+    model_class = Gemma3ForCausalLM if config.model_type.startswith("gemma3") else Gemma4ForCausalLM
+    config.architectures = [model_class.__name__]
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in model_class(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)  # as save_pretrained leaves it out
+    std = 0.02
+    width = std * 12 ** 0.5  # a uniform spread of that deviation
+
+    def block_rows(numel_per_row: int) -> int:
+        return max(1, (16 << 20) // max(numel_per_row, 1))
+
+    def encode(record, writer) -> None:
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{record.key}".encode()))
+        rows = record.shape[0] if record.shape else 1
+        cols = record.numel // max(rows, 1)
+        if record.scheme == "raw":
+            values = (torch.ones(record.shape) if len(shapes[record.name]) <= 1
+                      else torch.rand(record.shape, generator=generator).sub_(0.5).mul_(width))
+            data = values.to(getattr(torch, record.dtype)).contiguous().reshape(-1)
+            writer.write_part("data", 0, memoryview(data.view(torch.uint8).numpy()))
+            return
+        step = block_rows(cols)
+        for start in range(0, rows, step):
+            n = min(rows, start + step) - start
+            if record.scheme == "int4":
+                groups = padded_cols(cols, record.group_size) // record.group_size
+                codes = torch.randint(0, 256, (n, groups * record.group_size // 2), dtype=torch.uint8, generator=generator)
+                scales = torch.full((n, groups), width / 15, dtype=torch.float16)
+                zeros = torch.full((n, groups), -width / 2, dtype=torch.float16)
+                writer.write_part("qweight", start * groups * record.group_size // 2, memoryview(codes.numpy()))
+                writer.write_part("scales", start * groups * 2, memoryview(scales.view(torch.uint8).numpy()))
+                writer.write_part("zeros", start * groups * 2, memoryview(zeros.view(torch.uint8).numpy()))
+            else:  # int8 rows
+                q = torch.randint(-127, 128, (n, cols), dtype=torch.int8, generator=generator)
+                scales = torch.full((n,), width / 254, dtype=torch.float16)
+                writer.write_part("qweight", start * cols, memoryview(q.view(torch.uint8).numpy()))
+                writer.write_part("scales", start * 2, memoryview(scales.view(torch.uint8).numpy()))
+
+    with tempfile.TemporaryDirectory() as source:
+        folder = Path(source)
+        config.to_json_file(folder / "config.json")
+        if vocab is not None:
+            from gemmactl.formats.gguf_vocab import write_hf_tokenizer
+
+            write_hf_tokenizer(vocab, folder)
+        tensors = tuple(SourceTensor(name, shape, "bfloat16", folder / "random") for name, shape in shapes.items())
+        checkpoint = Checkpoint(folder, json.loads((folder / "config.json").read_text()), tensors,
+                                f"random:{kind}:{seed}")
+        write_artifact(checkpoint, Path(out_dir), QuantizeOptions(group_size=group_size, search=False), encode=encode,
+                       progress=progress)
+    return Path(out_dir)
+
+
 def build_tiny_gemma4(kind: str, out_dir: Path, *, seed: int = 0, dtype: str = "bfloat16") -> Path:
     """Save a random tiny Gemma 4 text model (safetensors + config) into out_dir."""
     return build_random_gemma(kind, out_dir, seed=seed, dtype=dtype)
@@ -214,9 +314,14 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--vocab", type=Path, help="llama.cpp vocabulary GGUF for the tokenizer files")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--int4-stream", action="store_true",
+                        help="write an int4-stream artifact directly (random codes), with no checkpoint")
     args = parser.parse_args()
     start = time.perf_counter()
-    build_random_gemma(args.kind, args.out, vocab=args.vocab, device=args.device)
+    if args.int4_stream:
+        write_random_int4(args.kind, args.out, vocab=args.vocab)
+    else:
+        build_random_gemma(args.kind, args.out, vocab=args.vocab, device=args.device)
     print(f"{args.kind}: saved to {args.out} in {time.perf_counter() - start:.1f} s")
 
 

@@ -57,8 +57,25 @@ def quantize_checkpoint(
     progress: Progress | None = None,
 ) -> QuantizeResult:
     """Write the int4-stream artifact of a checkpoint into out_dir, reusing shards a killed run finished."""
+    return write_artifact(open_checkpoint(checkpoint_dir), out_dir, options, force=force, source=source,
+                          revision=revision, progress=progress)
+
+
+def write_artifact(
+    checkpoint: Checkpoint,
+    out_dir: Path,
+    options: QuantizeOptions,
+    *,
+    encode: Callable[[TensorRecord, Int4ShardWriter], None] | None = None,
+    force: bool = False,
+    source: str | None = None,
+    revision: str | None = None,
+    progress: Progress | None = None,
+) -> QuantizeResult:
+    """The artifact of a checkpoint's tensors in out_dir. encode(record, writer) writes a record's
+    parts (default: read from the checkpoint's files and quantized; a model made up on the spot
+    can write its parts directly)."""
     start = time.perf_counter()
-    checkpoint = open_checkpoint(checkpoint_dir)
     layout = plan_layout(checkpoint, options)
     out_dir = Path(out_dir).expanduser().absolute()
     reusable = prepare_output(out_dir, layout, force)
@@ -89,9 +106,11 @@ def quantize_checkpoint(
             writer.open_shard(name)
             for record in records:
                 writer.begin_record(record)
-                encode_record(
-                    reader, by_name[record.name], record, writer, search=options.search, importance=importance.get(record.name)
-                )
+                if encode is not None:
+                    encode(record, writer)
+                else:
+                    encode_record(reader, by_name[record.name], record, writer, search=options.search,
+                                  importance=importance.get(record.name))
                 writer.end_record()
                 done += _work(record, options.search)
                 report(done, total)

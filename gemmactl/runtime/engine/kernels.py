@@ -150,9 +150,20 @@ def linear_bytes(scheme: str, shape: tuple, group_size: int | None, *, cuda: boo
     out_features, in_features = shape
     if cuda and scheme == "int4" and _tinygemm_fits((out_features, in_features), group_size):
         return out_features * in_features // 2 + (in_features // group_size) * out_features * 2 * 2
-    if cuda and scheme == "int8" and int8_rows_kept():
+    if cuda and scheme == "int8" and _int8_rows_planned():
         return out_features * in_features + out_features * 2
     return out_features * in_features * dtype_bytes
+
+
+def _int8_rows_planned() -> bool:
+    """Whether a CUDA device keeps int8 rows: as int8_rows_kept() says where this machine has CUDA;
+    planned for another machine (none here), as a standard CUDA install of torch does (Triton ships
+    with it), so a plan made on a laptop for a 4 GB box counts the head as that box will hold it."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int8_rows_kept()
+    return os.environ.get(INT8_ENV, "rows").lower() != "dense"
 
 
 def make_linear(artifact, record, device, dtype, cache=None) -> Linear:
