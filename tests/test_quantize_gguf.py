@@ -156,3 +156,38 @@ def test_converter_and_quantizer_output_becomes_progress():
     assert seen == [("convert", 0, 3), ("convert", 1, 3), ("convert", 2, 3), ("write", 45, 100), ("write", 100, 100)]
     match = _QUANTIZED.match("[  12/ 340]                 blk.1.attn_k.weight - [  640,   256,     1,     1], type =   bf16")
     assert match and (int(match.group(1)), int(match.group(2))) == (12, 340)
+
+
+def test_a_random_gguf_written_directly_has_the_converters_tensors_and_runs(built_home, tiny_checkpoint, llama_source,
+                                                                           gemma4_vocab, tmp_path):
+    """random_gemma.write_random_gguf (what the 26B-A4B benchmark's llama.cpp side uses, since the
+    bfloat16 route does not fit the GPU machine's disk) gives a tiny MoE kind the tensors, shapes
+    and model metadata the build's converter and llama-quantize give its saved checkpoint, and
+    llama.cpp loads it and decodes finite logits."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from gemmactl.runtime.llamacpp import LlamaCppBackend
+    from helpers.random_gemma import write_random_gguf
+
+    proc = run_gemmactl(["quantize", str(tiny_checkpoint("moe")), "--gguf", "Q4_K_M", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    converted = GGUFReader(json.loads(proc.stdout)["path"])
+    made = GGUFReader(write_random_gguf("moe", tmp_path / "random.gguf", llama_source, vocab=gemma4_vocab))
+
+    shapes = lambda reader: {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}  # noqa: E731
+    assert shapes(made) == shapes(converted)
+
+    def model_keys(reader):
+        return {name: field.contents() for name, field in reader.fields.items()
+                if name.startswith("gemma4.") or name in ("general.architecture", "general.file_type")}
+
+    assert model_keys(made) == model_keys(converted)
+    assert len(made.fields["tokenizer.ggml.tokens"].data) == len(converted.fields["tokenizer.ggml.tokens"].data)
+
+    backend = LlamaCppBackend(str(tmp_path / "random.gguf"), context_size=64, extra_args={"logits_all": True})
+    try:
+        backend._llm.eval(PROMPT_IDS)
+        assert np.isfinite(backend._llm.scores[len(PROMPT_IDS) - 1]).all()
+    finally:
+        backend.close()

@@ -8,6 +8,7 @@ weights run exactly as fast as trained ones of the same shapes and quantization.
 
     python tests/helpers/random_gemma.py e2b OUT_DIR --vocab ggml-vocab-gemma-4.gguf [--device cuda]
     python tests/helpers/random_gemma.py 26b-a4b OUT_DIR --vocab ggml-vocab-gemma-4.gguf --int4-stream
+    python tests/helpers/random_gemma.py 26b-a4b OUT.gguf --vocab ggml-vocab-gemma-4.gguf --gguf-from LLAMA_CPP_SRC
 """
 
 from __future__ import annotations
@@ -241,20 +242,13 @@ def write_random_int4(kind: str, out_dir: Path, *, seed: int = 0, vocab: Path | 
     import zlib
 
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma4ForCausalLM
 
     from gemmactl.formats.int4.checkpoint import Checkpoint, SourceTensor
     from gemmactl.formats.int4.layout import QuantizeOptions
     from gemmactl.formats.int4.quantize import write_artifact
     from gemmactl.formats.int4.spec import padded_cols
 
-    config = gemma_config(kind)
-    model_class = Gemma3ForCausalLM if config.model_type.startswith("gemma3") else Gemma4ForCausalLM
-    config.architectures = [model_class.__name__]
-    with torch.device("meta"):
-        shapes = {name: tuple(t.shape) for name, t in model_class(config).state_dict().items()}
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)  # as save_pretrained leaves it out
+    config, shapes = _meta_shapes(kind)
     std = 0.02
     width = std * 12 ** 0.5  # a uniform spread of that deviation
 
@@ -303,6 +297,66 @@ def write_random_int4(kind: str, out_dir: Path, *, seed: int = 0, vocab: Path | 
     return Path(out_dir)
 
 
+def _meta_shapes(kind: str):
+    """(config with its architecture, {tensor name: shape}) as save_pretrained would write the kind."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma4ForCausalLM
+
+    config = gemma_config(kind)
+    model_class = Gemma3ForCausalLM if config.model_type.startswith("gemma3") else Gemma4ForCausalLM
+    config.architectures = [model_class.__name__]
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in model_class(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)  # as save_pretrained leaves it out
+    return config, shapes
+
+
+def write_sparse_checkpoint(kind: str, out_dir: Path, *, vocab: Path | None = None) -> Path:
+    """A checkpoint folder of the kind whose safetensors file declares every tensor (bfloat16) but
+    holds no data: a sparse file of the full length, all zeros, taking no disk. Converters that read
+    headers and shapes lazily run over it; its weights are not a model."""
+    import json
+    import struct
+
+    config, shapes = _meta_shapes(kind)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.to_json_file(out_dir / "config.json")
+    if vocab is not None:
+        from gemmactl.formats.gguf_vocab import write_hf_tokenizer
+
+        write_hf_tokenizer(vocab, out_dir)
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 2
+        for d in shape:
+            size *= d
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(out_dir / "model.safetensors", "wb") as handle:
+        handle.write(struct.pack("<Q", len(raw)) + raw)
+        handle.truncate(8 + len(raw) + offset)
+    return out_dir
+
+
+def write_random_gguf(kind: str, out: Path, source_tree: Path, *, vocab: Path) -> Path:
+    """A GGUF of the kind straight from random quantized blocks (Q4_K, Q5_0 where rows are not whole
+    256-blocks; vectors ones), with the metadata and tensor names the source tree's converter gives
+    it: tests/helpers/random_gguf.py over a sparse checkpoint. No bfloat16 copy on disk."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        checkpoint = write_sparse_checkpoint(kind, Path(folder) / kind, vocab=vocab)
+        subprocess.run([sys.executable, str(Path(__file__).with_name("random_gguf.py")), str(source_tree),
+                        str(checkpoint), str(out)], check=True, capture_output=True, text=True)
+    return Path(out)
+
+
 def build_tiny_gemma4(kind: str, out_dir: Path, *, seed: int = 0, dtype: str = "bfloat16") -> Path:
     """Save a random tiny Gemma 4 text model (safetensors + config) into out_dir."""
     return build_random_gemma(kind, out_dir, seed=seed, dtype=dtype)
@@ -316,9 +370,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--int4-stream", action="store_true",
                         help="write an int4-stream artifact directly (random codes), with no checkpoint")
+    parser.add_argument("--gguf-from", type=Path, metavar="LLAMA_CPP_SOURCE",
+                        help="write a GGUF file OUT directly (random Q4_K blocks) with this source tree's converter metadata")
     args = parser.parse_args()
     start = time.perf_counter()
-    if args.int4_stream:
+    if args.gguf_from:
+        if args.vocab is None:
+            parser.error("--gguf-from needs --vocab")
+        write_random_gguf(args.kind, args.out, args.gguf_from, vocab=args.vocab)
+    elif args.int4_stream:
         write_random_int4(args.kind, args.out, vocab=args.vocab)
     else:
         build_random_gemma(args.kind, args.out, vocab=args.vocab, device=args.device)
