@@ -10,6 +10,12 @@
 #     profile  where a decode step's GPU time goes, kernel by kernel
 #     compare  gemmactl bench: the engine beside llama-server and HF generate, short and 512-token prompts
 #     start    cold and warm start to the first token, beside transformers from_pretrained
+#     capped   under a cap that keeps half the layers resident: where the streamed step's time goes,
+#              then the engine (eager, then captured with GEMMACTL_ENGINE_GRAPH=on) beside llama.cpp
+#              with the plan's -ngl/-ot and (eager run only) accelerate; e.g. KIND e4b
+# KIND 26b-a4b is never a checkpoint: `prepare 26b-a4b` writes its int4-stream artifact and a Q4_K
+# GGUF straight from random blocks (tests/helpers/random_gemma.py --int4-stream / --gguf-from), and
+# only `capped` runs on it (no accelerate row: there is no bfloat16 copy).
 # Options: see benchmarks/gpu_common.sh. Results: OUT/engine-KIND-*.json, OUT/bench-engine-KIND/.
 set -euo pipefail
 source "$(dirname "$0")/gpu_common.sh"
@@ -19,6 +25,17 @@ kind=${2:-e2b}
 ckpt=$models/$kind
 art=$work/int4/$kind-int4
 mkdir -p "$work/int4"
+
+if [ "$stage" = prepare ] && [ "$kind" = 26b-a4b ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/nvidia-smi.csv"
+  bash "$root/benchmarks/gpu_toolchain.sh" "${common_opts[@]}" setup
+  vocab_file=$(gemma4_vocab)
+  source_tree=$(dirname "$(ls "$home"/sources/*/convert_hf_to_gguf.py | head -1)")
+  [ -f "$art/index.json" ] || python "$root/tests/helpers/random_gemma.py" "$kind" "$art" --int4-stream --vocab "$vocab_file"
+  [ -f "$work/$kind-Q4_K.gguf" ] || python "$root/tests/helpers/random_gemma.py" "$kind" "$work/$kind-Q4_K.gguf" \
+    --gguf-from "$source_tree" --vocab "$vocab_file"
+  exit 0
+fi
 
 if [ "$stage" = prepare ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/nvidia-smi.csv"
@@ -35,9 +52,13 @@ if [ "$stage" = prepare ]; then
   exit 0
 fi
 
-case $stage in check|kernels|profile|compare|start) ;; *) die "unknown stage $stage (prepare, check, kernels, profile, compare or start)" ;; esac
+case $stage in check|kernels|profile|compare|start|capped) ;; *) die "unknown stage $stage (prepare, check, kernels, profile, compare, start or capped)" ;; esac
 ensure_diskcache
-gguf=$(gemmactl list --json | python -c "import json,sys;print([e['path'] for e in json.load(sys.stdin) if e['name']=='$kind-Q4_K_M'][0])")
+if [ -f "$work/$kind-Q4_K.gguf" ]; then
+  gguf=$work/$kind-Q4_K.gguf
+else
+  gguf=$(gemmactl list --json | python -c "import json,sys;print([e['path'] for e in json.load(sys.stdin) if e['name']=='$kind-Q4_K_M'][0])")
+fi
 py=python
 case $stage in
   check)  # the engine's tests on this GPU, then fidelity against transformers on the same weights
@@ -60,5 +81,15 @@ case $stage in
     ;;
   start)  # cold and warm start to the first token
     $py "$root/benchmarks/engine_gpu.py" start --artifact "$art" --checkpoint "$ckpt" > "$out/engine-$kind-start.json"
+    ;;
+  capped)  # half the layers resident: the step's time, then the engine beside llama.cpp and accelerate
+    [ "$kind" = 26b-a4b ] || $py "$root/benchmarks/engine_stream_step.py" "$art" > "$out/engine-$kind-stream-step.json"
+    hf=() cap=()
+    [ ! -f "$ckpt/config.json" ] || hf=(--hf-model "$ckpt")
+    [ "$kind" != 26b-a4b ] || cap=(--cap 4G)  # an MoE model's layers fit early: the 4 GB box's cap
+    $py "$root/benchmarks/engine_capped.py" --artifact "$art" --gguf "$gguf" "${hf[@]}" "${cap[@]}" \
+      --bench "$(build_binary llama-bench)" --out "$out/capped-$kind" > "$out/engine-$kind-capped.txt"
+    GEMMACTL_ENGINE_GRAPH=on $py "$root/benchmarks/engine_capped.py" --artifact "$art" --gguf "$gguf" "${cap[@]}" \
+      --bench "$(build_binary llama-bench)" --out "$out/capped-$kind-captured" > "$out/engine-$kind-capped-captured.txt"
     ;;
 esac
