@@ -180,3 +180,26 @@ def test_llama_cpp_plans_size_the_kv_for_the_cache_type(embedded_gguf, model_hom
     assert sum(layer["bytes"]["kv"] for layer in data["layers"]) == kv["q4_0"]
     argv = " ".join(data["llama_cpp_args"]["argv"])
     assert "-ctk q4_0 -ctv q4_0 -fa on" in argv
+
+
+@pytest.mark.parametrize("kind, yarn", [("gemma3-tiny", None), ("gemma3-tiny", 4.0), ("e2b-tiny", None),
+                                        ("e4b-tiny", None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tables_equal_transformers_rotary_modules(artifacts, kind, yarn, dtype):
+    """The engine's cos/sin tables, made from transformers' rope functions alone, equal its Gemma 3
+    and Gemma 4 rotary modules' output bit for bit: every layer kind (Gemma 4's proportional rope
+    on global layers with their own head dimension), with and without YaRN, in both dtypes."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    from gemmactl.runtime.engine.spec import hf_text_config, rope_tables, yarn_config
+
+    config = artifacts(kind).config
+    hf = hf_text_config(yarn_config(config, yarn) if yarn else config)
+    rotary = (Gemma3RotaryEmbedding if kind.startswith("gemma3") else Gemma4TextRotaryEmbedding)(hf)
+    length = 300
+    tables = rope_tables(config, length, dtype, yarn=yarn)
+    assert set(tables) == set(hf.layer_types)
+    for kind_name, (cos, sin) in tables.items():
+        want_cos, want_sin = rotary(torch.zeros(1, dtype=dtype), torch.arange(length).unsqueeze(0), kind_name)
+        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), kind_name

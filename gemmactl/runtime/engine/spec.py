@@ -144,22 +144,36 @@ def yarn_config(config: dict, factor: float) -> dict:
 def rope_tables(config: dict, length: int, dtype, device="cpu", yarn: float | None = None) -> dict:
     """cos and sin per layer kind for positions 0..length-1: {kind: (cos [length, D], sin [length, D])}.
 
-    Made by transformers' own rotary module for the model, so every rope variant it knows (default,
-    Gemma 4's proportional partial rope, linear or YaRN scaling) comes out as it computes it,
-    rounded to the compute dtype as it rounds it. yarn: a factor for yarn_config.
+    Computed as transformers' rotary modules for Gemma 3 and 4 compute them: the inverse
+    frequencies from its own rope functions (default, Gemma 4's proportional partial rope, linear
+    or YaRN scaling), each layer kind with its own head dimension, products and cos/sin in float32,
+    rounded once to the compute dtype. Only the rope functions are imported: the modeling modules
+    that hold those rotary classes cost seconds of every start. yarn: a factor for yarn_config.
     """
     import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf = hf_text_config(yarn_config(config, yarn) if yarn else config)
-    if FAMILIES[hf.model_type] == "gemma4":
-        from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding as Rotary
-    else:
-        from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding as Rotary
-    rotary = Rotary(hf)
-    positions = torch.arange(length).unsqueeze(0)  # [1, length]
-    probe = torch.zeros(1, dtype=dtype)
+    positions = torch.arange(length).float().unsqueeze(-1)  # [length, 1]
     tables = {}
     for kind in sorted(set(hf.layer_types)):
-        cos, sin = rotary(probe, positions, kind)
-        tables[kind] = (cos[0].to(device), sin[0].to(device))
+        params = hf.rope_parameters[kind]
+        # Gemma 4's layer kinds have their own head dimensions: the config resolved for the kind.
+        kind_config = hf.per_layer_config[kind] if hasattr(hf, "per_layer_config") else hf
+        if params["rope_type"] == "default":
+            inv_freq, scaling = _default_rope(kind_config, kind)
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](kind_config, None, layer_type=kind)
+        freqs = positions * inv_freq.float()  # [length, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        tables[kind] = ((emb.cos() * scaling).to(dtype).to(device), (emb.sin() * scaling).to(dtype).to(device))
     return tables
+
+
+def _default_rope(config, kind: str):
+    """The original rope's inverse frequencies (as the rotary modules' default), and no scaling."""
+    import torch
+
+    base = config.rope_parameters[kind]["rope_theta"]
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
