@@ -61,35 +61,34 @@ def main() -> None:
     kv[gguf.Keys.General.FILE_TYPE] = gguf.GGUFValue(int(gguf.LlamaFileType.MOSTLY_Q4_K_M), gguf.GGUFValueType.UINT32)
     writer = gguf.GGUFWriter(out, arch=kv[gguf.Keys.General.ARCHITECTURE].value)
     writer.kv_data[0].update(kv)
+    F32 = gguf.GGMLQuantizationType.F32
+    blocks = {gguf.GGMLQuantizationType.Q4_K: (QK_K, 144, _q4_k_blocks),
+              gguf.GGMLQuantizationType.Q5_0: (QK5_0, 22, _q5_0_blocks)}
     plan = []
     for name, info in source.tensors[0].items():
         shape = [int(d) for d in info.shape]  # numpy order: the row is the last
         row = shape[-1]
         if len(shape) == 1 or row % QK5_0:
-            kind, nbytes = gguf.GGMLQuantizationType.F32, 4 * int(np.prod(shape))
-        elif row % QK_K == 0:
-            kind, nbytes = gguf.GGMLQuantizationType.Q4_K, int(np.prod(shape)) // QK_K * 144
-        else:
-            kind, nbytes = gguf.GGMLQuantizationType.Q5_0, int(np.prod(shape)) // QK5_0 * 22
-        byte_shape = [*shape[:-1], nbytes // max(int(np.prod(shape[:-1])), 1)] if kind != gguf.GGMLQuantizationType.F32 else shape
-        writer.add_tensor_info(name, byte_shape if kind != gguf.GGMLQuantizationType.F32 else shape,
-                               np.dtype(np.uint8) if kind != gguf.GGMLQuantizationType.F32 else np.dtype(np.float32),
-                               nbytes, raw_dtype=kind)
-        plan.append((name, shape, kind, nbytes))
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)), raw_dtype=F32)
+            plan.append((name, shape, F32))
+            continue
+        kind = gguf.GGMLQuantizationType.Q4_K if row % QK_K == 0 else gguf.GGMLQuantizationType.Q5_0
+        per_block, size, _ = blocks[kind]
+        byte_shape = [*shape[:-1], row // per_block * size]
+        writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=kind)
+        plan.append((name, byte_shape, kind))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(0)
-    for name, shape, kind, nbytes in plan:
-        if kind == gguf.GGMLQuantizationType.F32:
+    for name, shape, kind in plan:
+        if kind == F32:
             values = np.ones(shape, dtype=np.float32) if len(shape) == 1 else \
                 rng.uniform(-0.0346, 0.0346, size=shape).astype(np.float32)
             writer.write_tensor_data(values)
             continue
-        make, size = (_q4_k_blocks, 144) if kind == gguf.GGMLQuantizationType.Q4_K else (_q5_0_blocks, 22)
-        rows = int(np.prod(shape[:-1]))
-        per_row = nbytes // rows
-        writer.write_tensor_data(make(rng, nbytes // size).reshape(*shape[:-1], per_row))
+        _, size, make = blocks[kind]
+        writer.write_tensor_data(make(rng, int(np.prod(shape)) // size).reshape(shape))
     writer.close()
     print(f"{out}: {len(plan)} tensors", file=sys.stderr)
 

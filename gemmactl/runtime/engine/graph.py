@@ -27,7 +27,7 @@ import torch
 from gemmactl.runtime.engine.placement import HOST
 
 COMPILE_ENV = "GEMMACTL_ENGINE_COMPILE"  # auto (on for CUDA) | on | max (inductor's autotuning too) | off
-GRAPH_ENV = "GEMMACTL_ENGINE_GRAPH"  # auto (on for CUDA) | off
+GRAPH_ENV = "GEMMACTL_ENGINE_GRAPH"  # auto (on for CUDA, every layer resident) | on (streamed too) | off
 
 
 def wanted(env: str, model) -> bool:
