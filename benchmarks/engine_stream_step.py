@@ -36,8 +36,8 @@ def step_ms(model, steps: int) -> float:
 
 
 def captured_ms(model, steps: int) -> float | None:
-    """Milliseconds per step replayed from a CUDA graph (unfused; GEMMACTL_ENGINE_GRAPH=on lets a
-    streamed placement be captured); None where the engine declines to capture it."""
+    """Milliseconds per step replayed from a CUDA graph (unfused); None where the engine declines
+    to capture it."""
     from gemmactl.runtime.engine.graph import COMPILE_ENV, GRAPH_ENV, DecodeStep
 
     os.environ[GRAPH_ENV], os.environ[COMPILE_ENV] = "on", "off"
