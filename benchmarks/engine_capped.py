@@ -14,7 +14,7 @@ came from), one cap, one prompt:
 
 Every run is its own process; the GPU memory it used (nvidia-smi, the device's used memory above
 the idle baseline, sampled every 50 ms) is recorded against the cap. Prints a markdown table and
-writes OUT/engine_capped.json.
+writes OUT/engine_capped.json. `--runs` picks among verify, run, bench and accelerate (default: all).
 
     python benchmarks/engine_capped.py --artifact DIR --gguf FILE --hf-model DIR --bench llama-bench --out DIR
 """
@@ -128,8 +128,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--accelerate-tokens", type=int, default=16)
     parser.add_argument("--prompt-words", type=int, default=380, help="about 512 tokens")
+    parser.add_argument("--runs", default="verify,run,bench,accelerate",
+                        help="which runs, comma-separated (run: `gemmactl run` on both back ends)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    runs = set(args.runs.split(","))
 
     from gemmactl.plan.report import build_plan, plan_dict
     from gemmactl.sizes import parse_size
@@ -152,19 +155,36 @@ def main() -> None:
     prompt_file = args.out / "prompt.txt"
     prompt_file.write_text(prompt)
 
-    verify, peak, status = sampled_json(
+    verify, peak, status = ({}, None, None) if "verify" not in runs else sampled_json(
         gemmactl("plan", args.artifact, "--backend", "int4", "--vram", vram, "--context", str(args.context),
                  "--verify", "--json"), args.out / "engine-verify.log")
     result["engine_verify"] = {**verify.get("verify", {}), "sampled_peak_mib": peak, "exit": status}
 
     recipe = args.out / "capped.yaml"
     write_recipe(recipe, args.artifact, args.gguf, cap_mib, args.context, args.tokens)
-    for tier in ("engine", "llamacpp"):
+    for tier in ("engine", "llamacpp") if "run" in runs else ():
         data, peak, status = sampled_json(
             gemmactl("run", "--recipe", str(recipe), "--tier", tier, "--raw", "--json", "--max-tokens",
                      str(args.tokens), prompt), args.out / f"run-{tier}.log")
         result[f"run_{tier}"] = {**run_row(data.get("stats", {}), peak, status),
                                  "engine": (data.get("model") or {}).get("engine"), "notices": data.get("notices")}
+
+    if "bench" in runs:
+        bench(args, vram, result)
+    if args.hf_model and "accelerate" in runs:
+        data, peak, status = sampled_json(
+            [sys.executable, "-c", ACCELERATE, args.hf_model, str(cap), str(args.accelerate_tokens), str(prompt_file)],
+            args.out / "accelerate.log")
+        result["accelerate"] = {**data, "peak_mib": peak, "exit": status}
+
+    (args.out / "engine_capped.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    print(table(result))
+
+
+def bench(args, vram: str, result: dict) -> None:
+    """llama-bench with the GGUF's plan at the cap (decode-only tg and pp)."""
+    from gemmactl.plan.report import build_plan, plan_dict
 
     built = build_plan(args.gguf, vram=vram, context=args.context)
     plan = plan_dict(built.plan, built)
@@ -177,16 +197,6 @@ def main() -> None:
     result["llama_bench"] = {"args": plan_args, "tg_tok_s": tg, "pp_tok_s": pp, "n_gpu_layers": ngl, "peak_mib": peak,
                              "exit": proc.returncode, "predicted_decode_tok_s": plan["predicted"]["decode_tok_s"]}
 
-    if args.hf_model:
-        data, peak, status = sampled_json(
-            [sys.executable, "-c", ACCELERATE, args.hf_model, str(cap), str(args.accelerate_tokens), str(prompt_file)],
-            args.out / "accelerate.log")
-        result["accelerate"] = {**data, "peak_mib": peak, "exit": status}
-
-    (args.out / "engine_capped.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
-    print(table(result))
-
 
 def _ratio(a, b) -> str:
     return f"{a / b:.2f}×" if a and b else "-"
@@ -195,8 +205,10 @@ def _ratio(a, b) -> str:
 def table(r: dict) -> str:
     """The markdown table of one run: rates, ratios of the engine to each, peaks against the cap."""
     fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
-    cap, eng, lcpp = r["cap_mib"], r["run_engine"], r["run_llamacpp"]
-    v, lb, acc = r["engine_verify"], r["llama_bench"], r.get("accelerate", {})
+    missing = {"decode_tok_s": None, "wall_tok_s": None, "ttft_s": None, "peak_mib": None}
+    cap, eng, lcpp = r["cap_mib"], r.get("run_engine", missing), r.get("run_llamacpp", missing)
+    v, acc = r["engine_verify"], r.get("accelerate", {})
+    lb = r.get("llama_bench", {"args": ["(not run)"], "tg_tok_s": None, "peak_mib": None, "predicted_decode_tok_s": None})
     rows = [
         "| run | decode tok/s | wall tok/s | TTFT s | peak MiB (cap %d) | predicted decode |" % cap,
         "| --- | --- | --- | --- | --- | --- |",

@@ -255,20 +255,23 @@ def test_gpu_streamed_layers_are_captured_and_decode_like_eager(artifacts, kind,
 
 
 @gpu
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_gpu_tinygemm_layout_decodes_the_int4_stream_weights(group_size):
+@pytest.mark.parametrize("group_size, in_features", [(32, 768), (64, 768), (128, 768), (64, 704), (128, 704)])
+def test_gpu_tinygemm_layout_decodes_the_int4_stream_weights(group_size, in_features):
     """tinygemm over the repacked codes = the dequantized weight's product, up to bfloat16 rounding
-    of each group's scale and zero′ (what the kernel stores)."""
+    of each group's scale and zero′ (what the kernel stores). 704 columns (26B-A4B's expert
+    down_proj) are not a multiple of tinygemm's k tile: padded with zero weights."""
     from gemmactl.formats.int4.quant import dequantize_int4, quantize_int4
-    from gemmactl.runtime.engine.kernels import Int4Linear, tinygemm_layout
+    from gemmactl.runtime.engine.kernels import Int4Linear, tinygemm_columns, tinygemm_layout
 
     torch.manual_seed(0)
-    w = torch.randn(512, 768, device="cuda")
+    w = torch.randn(512, in_features, device="cuda")
     qweight, scales, zeros = quantize_int4(w, group_size)
-    dense = dequantize_int4(qweight, scales, zeros, 768)
-    x = torch.randn(5, 768, device="cuda", dtype=torch.bfloat16)
-    packed, sz = tinygemm_layout(qweight, scales, zeros, 768)
-    y = Int4Linear(packed, sz, group_size, 512, 768)(x).float()
+    dense = dequantize_int4(qweight, scales, zeros, in_features)
+    x = torch.randn(5, in_features, device="cuda", dtype=torch.bfloat16)
+    columns = tinygemm_columns(in_features, group_size) if in_features % 128 else in_features
+    packed, sz = tinygemm_layout(qweight, scales, zeros, in_features, columns=columns)
+    assert sz.shape[0] == columns // group_size
+    y = Int4Linear(packed, sz, group_size, 512, in_features, columns)(x).float()
     expected = x.float() @ dense.t()
     assert (y - expected).abs().max() <= 0.02 * expected.abs().max()
 

@@ -72,6 +72,60 @@ def test_every_cache_size_policy_and_miss_path_gives_the_same_tokens_and_logits(
     assert seen_evictions and seen_prefetch_hits
 
 
+@pytest.mark.parametrize("policy, slots, prefetch", [
+    ("lru", 0, False), ("lru", 1, False), ("lru", 3, False), ("lfu", "quarter", False), ("hot", 3, True),
+])
+def test_experts_copied_from_an_arena_give_the_same_tokens_and_logits(moe_artifact, monkeypatch, policy, slots,
+                                                                       prefetch):
+    """The arena (every expert laid out in one host buffer, copied row by row into device rows:
+    what CUDA runs, here with the host's tensors): the cache off (scratch rows only), one slot
+    (the layer's own experts are kept, so most misses go to scratch rows), a few, a quarter;
+    token for token and bit for bit what the engine without an arena gives."""
+    from gemmactl.runtime.engine.expert_arena import SCRATCH
+
+    monkeypatch.setattr(experts_module, "AGE_EVERY", 7)
+    reference = _engine(moe_artifact, ExpertSettings(arena=False))
+    expected_tokens, expected_logits = engine_greedy(reference, PROMPT, STEPS, chunk=3)
+    store = reference.experts.store
+    slots = len(store.records) // 4 if slots == "quarter" else slots
+    settings = ExpertSettings(cache_bytes=slots * store.expert_bytes, policy=policy, miss="copy", prefetch=prefetch,
+                              arena=True)
+    engine = _engine(moe_artifact, settings)
+    arena = engine.experts.store.arena
+    assert arena is not None and arena.on_device.shape[0] == slots + SCRATCH
+    assert arena.host.shape[0] == len(store.records)
+    tokens, logits = engine_greedy(engine, PROMPT, STEPS, chunk=3)
+    assert tokens == expected_tokens
+    assert torch.equal(logits, expected_logits)
+    stats = engine.experts.stats()
+    assert stats["copied"] == stats["misses"] > 0 and stats["host_share"] == 0.0
+    assert stats["capacity_experts"] == slots
+    assert stats["hits"] == 0 if slots == 0 else slots < len(store.records) // 4 or stats["hits"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_experts_from_the_arena_decode_like_without(moe_artifact):
+    """On CUDA (bfloat16, tinygemm with the experts' columns padded): the arena's asynchronous
+    copies and their events give the tokens of the engine that makes each expert when it misses,
+    with the cache off, small and whole; a copy read before it landed would not."""
+    from gemmactl.runtime.engine.model import GemmaModel
+
+    def greedy(settings):
+        engine = GemmaModel(moe_artifact, device="cuda", dtype=torch.bfloat16, context=64, experts=settings)
+        return engine_greedy(engine, PROMPT, STEPS, chunk=3), engine
+
+    (expected, expected_logits), reference = greedy(ExpertSettings(arena=False))
+    assert reference.experts.store.arena is None
+    store = reference.experts.store
+    kernels = {type(linear).__name__ for linear in store.linears(next(iter(store.records)), torch.device("cuda"))}
+    assert kernels == {"Int4Linear"}  # padded, not dense
+    for slots in (0, 3, len(store.records)):
+        (tokens, logits), engine = greedy(ExpertSettings(cache_bytes=slots * store.expert_bytes))
+        assert engine.experts.store.arena is not None  # the default on CUDA
+        assert tokens == expected, slots
+        assert (logits.float() - expected_logits.float()).abs().max() <= 1e-2 * expected_logits.float().abs().max()
+
+
 def test_lru_evicts_the_least_recently_used():
     cache = ExpertCache(2, "lru")
     for key in ("a", "b"):

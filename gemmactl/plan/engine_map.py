@@ -17,8 +17,9 @@ Embedding tables go to host memory first when the whole does not fit: only the c
 rows cross the link. The predicted decode rate is the sum of those costs and the head's read.
 
 MoE experts are not part of a layer's cost: they live in host memory (runtime/engine/experts.py),
-and whatever room the layers leave becomes the expert cache (whole experts, none past the count).
-The working area above already covers a missed expert's transient copy.
+and whatever room the layers leave becomes the expert cache (whole experts, none past the count),
+beside EXPERT_SCRATCH_ROWS experts' room that misses the cache does not keep are copied into.
+Experts are sized as the engine holds them: int4 in tinygemm's layout, columns padded.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gemmactl.errors import BudgetTooSmallError
+from gemmactl.runtime.engine.expert_settings import EXPERT_SCRATCH_ROWS
 from gemmactl.sizes import format_size
 
 CHUNK_TOKENS = 256  # the engine's prefill chunk (runtime/engine/backend.CHUNK)
 LINK_LATENCY_S = 10e-6  # one small host↔device copy
 MARGIN_BYTES = 64 << 20  # allocator rounding and small buffers
+EXPERT_SCRATCH_NOTE = ", the experts' scratch rows"
 
 
 @dataclass
@@ -99,7 +102,7 @@ def _costs(index: dict, spec, context: int, kv_mode: str | None = None, spare_sl
         elif record.get("expert") is not None:
             key = (int(record["layer"]), int(record["expert"]))
             device, stored, dense = experts.get(key, (0, 0, 0))
-            experts[key] = (device + linear_bytes(scheme, shape, record.get("group_size"), cuda=True),
+            experts[key] = (device + linear_bytes(scheme, shape, record.get("group_size"), cuda=True, pad=True),
                             stored + int(record["nbytes"]), dense + 2 * _count(shape))
         elif len(shape) == 2 and record.get("layer") is not None:
             cost = layers[int(record["layer"])]
@@ -223,6 +226,8 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
     fixed = {"reserve": profile.gpu_reserve_bytes, "globals": sum(globals_.values()), "work": _work_bytes(spec) + MARGIN_BYTES}
     if draft_bytes:
         fixed["draft"] = draft_bytes
+    if experts:  # the rows misses the cache does not keep are copied into (runtime/engine/expert_arena.py)
+        fixed["expert_scratch"] = EXPERT_SCRATCH_ROWS * max(device for device, _, _ in experts.values())
     kv_all = sum(c.kv_bytes for c in costs)
     table_bytes = sum(tables.values())
 
@@ -257,7 +262,8 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
         draft = f", the draft's {format_size(draft_bytes)}" if draft_bytes else ""
         raise BudgetTooSmallError(
             f"the engine needs at least {format_size(minimum)} of GPU memory for this model at context {context} "
-            f"(CUDA context, head, KV caches, two staging areas of {format_size(largest)}{draft}); "
+            f"(CUDA context, head, KV caches, two staging areas of {format_size(largest)}{draft}"
+            f"{EXPERT_SCRATCH_NOTE if experts else ''}); "
             f"the budget is {format_size(vram_bytes)}",
             hint=f"Give it {format_size(minimum)} or more, or a smaller --context"
                  + (", or leave out the draft." if draft_bytes else "."),

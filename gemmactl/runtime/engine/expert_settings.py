@@ -11,6 +11,7 @@ from dataclasses import dataclass
 POLICIES = ("lru", "lfu", "hot")
 DEFAULT_POLICY = "lru"  # provisional: the GPU measurement that is to choose it has not run yet
 CACHE_WORDS = ("auto", "off")
+EXPERT_SCRATCH_ROWS = 2  # device rows, beside the cache, for the misses it does not keep (the plan counts them)
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class ExpertSettings:
     miss: str | None = None  # force "copy" or "cpu" for every miss (measurements, tests)
     rule: object | None = None  # a MissRule with the machine's prices; None: copy every miss
     prefetch: bool = False  # copy in the next MoE layer's likely experts (off: not measured to pay yet)
+    arena: bool | None = None  # experts laid out for copying (runtime/engine/expert_arena.py); None: on CUDA
 
     @property
     def is_default(self) -> bool:

@@ -6,6 +6,9 @@ stores them (int4 codes, views of the mapped shards: nothing is read until an ex
 and an `ExpertCache` of a fixed number of slots keeps recently or frequently used ones on the
 device in the kernel's layout. A miss is copied in (evicting by the cache's policy) or computed on
 the host from the stored codes; `MissRule` decides per layer and batch from the machine profile.
+On CUDA the experts are first laid out in the kernel's layout in one pinned host buffer
+(runtime/engine/expert_arena.py), so a miss is one asynchronous copy overlapped with the compute
+of the experts before it; int4 experts run in tinygemm with their columns padded where needed.
 
 The block computes exactly what transformers' Gemma 4 MoE block computes, expert by expert in
 ascending order with each expert's tokens grouped (its weights read once per step), so the
@@ -69,23 +72,23 @@ class ExpertCache:
         self.slots.move_to_end(key)
         return slot
 
-    def admit(self, key) -> tuple[int | None, object]:
+    def admit(self, key, keep=frozenset()) -> tuple[int | None, object]:
         """A slot for key after a miss: (slot, the key evicted from it or None); (None, None) when
-        the cache keeps nothing (capacity 0, or every slot pinned)."""
+        the cache keeps nothing (capacity 0, or every slot pinned or in keep)."""
         if self.capacity == 0:
             return None, None
         if self.free:
             slot, evicted = self.free.pop(), None
         else:
-            evicted = self._victim()
+            evicted = self._victim(keep)
             if evicted is None:
                 return None, None
             slot = self.slots.pop(evicted)
         self.slots[key] = slot
         return slot, evicted
 
-    def _victim(self):
-        candidates = [key for key in self.slots if key not in self.pinned]  # oldest use first
+    def _victim(self, keep=frozenset()):
+        candidates = [key for key in self.slots if key not in self.pinned and key not in keep]  # oldest use first
         if not candidates:
             return None
         if self.policy == "lfu":
@@ -159,11 +162,12 @@ class ExpertStore:
 
         cuda, width = self.device.type == "cuda", torch.empty((), dtype=dtype).element_size()
         # A device slot holds an expert in the kernel's layout; a copy moves its stored bytes.
-        self.expert_bytes = max((sum(linear_bytes(r.scheme, tuple(r.shape), r.group_size, cuda=cuda, dtype_bytes=width)
-                                     for r in pair) for pair in self.records.values()), default=0)
+        self.expert_bytes = max((sum(linear_bytes(r.scheme, tuple(r.shape), r.group_size, cuda=cuda, dtype_bytes=width,
+                                                 pad=True) for r in pair) for pair in self.records.values()), default=0)
         self.stored_bytes = max((a.nbytes + b.nbytes for a, b in self.records.values()), default=0)
         self.dense_bytes = max((sum(_count(r.shape) * width for r in pair) for pair in self.records.values()), default=0)
-        self.slots: dict = {}  # slot → (gate_up Linear, down Linear) on the device
+        self.slots: dict = {}  # slot → (gate_up Linear, down Linear) on the device (without an arena)
+        self.arena = None  # an ExpertArena, where the experts are laid out for copying (CUDA)
 
     def host_bytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.records.values())
@@ -172,8 +176,8 @@ class ExpertStore:
         """The expert's two matrices as Linears on device, made from the stored codes."""
         up, down = self.records[key]
         cuda = device.type == "cuda"
-        return (self.make_linear(self.artifact, up, device, self.dtype, self.repack if cuda else None),
-                self.make_linear(self.artifact, down, device, self.dtype, self.repack if cuda else None))
+        return (self.make_linear(self.artifact, up, device, self.dtype, self.repack if cuda else None, pad=True),
+                self.make_linear(self.artifact, down, device, self.dtype, self.repack if cuda else None, pad=True))
 
 
 def _count(shape) -> int:
@@ -213,9 +217,13 @@ class MoEBlock:
         """The experts' sum for x [T, H] (pre_feedforward_layernorm_2 applied), routed from the
         residual stream before the feed-forward norms, as transformers routes it."""
         weights, experts = self.route(residual)
+        self.counters.tokens += x.shape[0]
+        if self.store.arena is not None:
+            out = self._from_arena(x, weights, experts)
+            if self.prefetch and self.next is not None:
+                self.next.fetch_ahead(residual)
+            return out
         out = torch.zeros_like(x)
-        counters = self.counters
-        counters.tokens += x.shape[0]
         for expert in torch.unique(experts).tolist():  # ascending, as transformers adds them
             positions, slots = torch.where(experts == expert)  # token-major
             order = torch.argsort(slots * x.shape[0] + positions)  # transformers' order: by slot, then token
@@ -240,29 +248,103 @@ class MoEBlock:
             slot, _ = cache.admit(key)
             if slot is None:
                 return
-            store.slots[slot] = store.linears(key, store.device)
+            if store.arena is not None:
+                store.arena.fill(key, slot)
+            else:
+                store.slots[slot] = store.linears(key, store.device)
             self.prefetched.add(key)
             self.counters.prefetched += 1
             self.counters.copied_bytes += store.stored_bytes
 
-    def _run(self, key, x: torch.Tensor) -> torch.Tensor:
-        store, cache, counters = self.store, self.cache, self.counters
+    def _lookup(self, key) -> int | None:
+        """The key's slot on a hit (uses and prefetch hits counted), else None."""
+        counters = self.counters
         counters.uses += 1
         counters.per_layer_uses[self.layer] = counters.per_layer_uses.get(self.layer, 0) + 1
-        slot = cache.lookup(key)
-        if slot is not None:
-            if key in self.prefetched:
-                self.prefetched.discard(key)
-                counters.prefetch_hits += 1
-            return expert_forward(store.slots[slot], x)
+        slot = self.cache.lookup(key)
+        if slot is not None and key in self.prefetched:
+            self.prefetched.discard(key)
+            counters.prefetch_hits += 1
+        return slot
+
+    def _on_host(self, x: torch.Tensor) -> bool:
+        """Whether a miss is computed on the host. A layer the plan put on the host computes its
+        experts there too. (Forced, the host path runs on a machine without a GPU as well: the
+        same arithmetic, uncached.)"""
+        store = self.store
         separate = store.device.type != "cpu"
-        # A layer the plan put on the host computes its experts there too. (Forced, the host path
-        # runs on a machine without a GPU as well: the same arithmetic, uncached.)
-        on_host = separate and x.device.type == "cpu"
-        if on_host or (self.rule.choose(store.stored_bytes, store.dense_bytes, separate) == "cpu" and (separate or self.rule.forced)):
-            counters.host_computed += 1
-            host = torch.device("cpu")
-            return expert_forward(store.linears(key, host), x.to(host)).to(x.device)
+        if separate and x.device.type == "cpu":
+            return True
+        return (self.rule.choose(store.stored_bytes, store.dense_bytes, separate) == "cpu"
+                and (separate or bool(self.rule.forced)))
+
+    def _host(self, key, x: torch.Tensor) -> torch.Tensor:
+        self.counters.host_computed += 1
+        host = torch.device("cpu")
+        return expert_forward(self.store.linears(key, host), x.to(host)).to(x.device)
+
+    def _from_arena(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The experts' sum with every device expert read from an arena row. Where each expert
+        comes from is decided before anything is launched, and this layer's experts are kept from
+        eviction meanwhile, so no copy overwrites a row a later expert of the layer reads; the
+        copies are queued first and each expert's compute waits only for its own."""
+        store, cache, counters, arena = self.store, self.cache, self.counters, self.store.arena
+        tokens = x.shape[0]
+        picked = experts[0].tolist() if tokens == 1 else None  # one token: one sync, no grouping
+        order = sorted(set(picked)) if picked is not None else torch.unique(experts).tolist()
+        sources, held = [], set()
+        for expert in order:  # ascending, as transformers adds them
+            key = (self.layer, expert)
+            slot = self._lookup(key)
+            if slot is None and self._on_host(x):
+                sources.append("host")
+            elif slot is None:
+                counters.copied += 1
+                counters.copied_bytes += store.stored_bytes
+                slot, _ = cache.admit(key, keep=held)
+                if slot is not None:
+                    arena.fill(key, slot)
+                sources.append(slot if slot is not None else "scratch")
+            else:
+                sources.append(slot)
+            held.add(key)
+        scratch = [i for i, source in enumerate(sources) if source == "scratch"]
+        rows: dict = {}
+
+        def fill_scratch(n: int) -> None:  # the n-th scratch miss, into the row the (n-2)-th freed
+            if n < len(scratch):
+                rows[scratch[n]] = arena.scratch()
+                arena.fill((self.layer, order[scratch[n]]), rows[scratch[n]])
+
+        fill_scratch(0)
+        out = torch.zeros_like(x)
+        for i, (expert, source) in enumerate(zip(order, sources)):
+            key = (self.layer, expert)
+            if source == "scratch":
+                fill_scratch(scratch.index(i) + 1)
+                source = rows[i]
+            if picked is not None:  # one token: every picked expert reads it
+                y = self._host(key, x) if source == "host" else expert_forward(arena.linears(source), x)
+                slot_of = picked.index(expert)
+                out.add_((y * weights[:, slot_of:slot_of + 1]).to(out.dtype))
+            else:
+                positions, slots = torch.where(experts == expert)  # token-major
+                order_ = torch.argsort(slots * tokens + positions)  # transformers' order: by slot, then token
+                positions, slots = positions[order_], slots[order_]
+                y = self._host(key, x[positions]) if source == "host" else expert_forward(arena.linears(source),
+                                                                                          x[positions])
+                out.index_add_(0, positions, (y * weights[positions, slots, None]).to(out.dtype))
+            if source != "host":
+                arena.release(source)
+        return out
+
+    def _run(self, key, x: torch.Tensor) -> torch.Tensor:
+        store, cache, counters = self.store, self.cache, self.counters
+        slot = self._lookup(key)
+        if slot is not None:
+            return expert_forward(store.slots[slot], x)
+        if self._on_host(x):
+            return self._host(key, x)
         linears = store.linears(key, store.device)
         counters.copied += 1
         counters.copied_bytes += store.stored_bytes
@@ -294,6 +376,10 @@ class MoEExperts:
         else:
             capacity = min(total, settings.cache_bytes // max(self.store.expert_bytes, 1))
         self.cache = ExpertCache(capacity, settings.policy)
+        if settings.arena if settings.arena is not None else self.store.device.type == "cuda":
+            from gemmactl.runtime.engine.expert_arena import ExpertArena
+
+            self.store.arena = ExpertArena(self.store, capacity)
         self.counters = ExpertCounters()
         self.rule = settings.rule if isinstance(settings.rule, MissRule) else MissRule()
         if settings.miss:

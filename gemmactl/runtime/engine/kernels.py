@@ -62,18 +62,23 @@ class Int4Linear(Linear):
 
     kernel = "int4-tinygemm"
 
-    def __init__(self, packed, scales_and_zeros, group_size: int, out_features: int, in_features: int):
+    def __init__(self, packed, scales_and_zeros, group_size: int, out_features: int, in_features: int,
+                 columns: int | None = None):
         self.packed = packed
-        self.scales_and_zeros = scales_and_zeros  # [in/g, out, 2]
+        self.scales_and_zeros = scales_and_zeros  # [columns/g, out, 2]
         self.group_size = group_size
         self.out_features, self.in_features = out_features, in_features
+        self.columns = columns or in_features  # in_features padded with zero weights (tinygemm_columns)
 
     def __call__(self, x):
         import torch
+        import torch.nn.functional as F
 
         shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, shape[-1]), self.packed, self.group_size,
-                                                self.scales_and_zeros)
+        flat = x.reshape(-1, shape[-1])
+        if self.columns != self.in_features:  # the padded columns' weights are zero: any finite input does
+            flat = F.pad(flat, (0, self.columns - self.in_features))
+        y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
         return y.reshape(*shape[:-1], self.out_features)
 
     def tensors(self) -> dict:
@@ -81,7 +86,7 @@ class Int4Linear(Linear):
 
     def with_tensors(self, tensors: dict) -> "Int4Linear":
         return Int4Linear(tensors["packed"], tensors["scales_and_zeros"], self.group_size, self.out_features,
-                          self.in_features)
+                          self.in_features, self.columns)
 
 
 class Int8Linear(Linear):
@@ -136,20 +141,33 @@ def tinygemm_fits(record) -> bool:
     return _tinygemm_fits(tuple(record.shape), record.group_size)
 
 
-def _tinygemm_fits(shape: tuple, group_size: int | None) -> bool:
+def _tinygemm_fits(shape: tuple, group_size: int | None, pad: bool = False) -> bool:
+    """Whether tinygemm takes the matrix as it is, or (pad) with its columns padded by zero weights."""
     out_features, in_features = shape
-    return (group_size in TINYGEMM_GROUPS and in_features % (INNER_K_TILES * 16) == 0
-            and out_features % 8 == 0 and in_features % group_size == 0)
+    if group_size not in TINYGEMM_GROUPS or out_features % 8:
+        return False
+    return pad or (in_features % (INNER_K_TILES * 16) == 0 and in_features % group_size == 0)
 
 
-def linear_bytes(scheme: str, shape: tuple, group_size: int | None, *, cuda: bool, dtype_bytes: int = 2) -> int:
+def tinygemm_columns(in_features: int, group_size: int) -> int:
+    """The columns tinygemm multiplies for in_features padded: the next multiple of its k tile and
+    of the group. MoE experts are padded (Gemma 4 26B-A4B's down_proj takes 704 columns, not a
+    multiple of 128): their weights in tinygemm's layout are half the bytes of a dense copy, so a
+    device cache holds twice the experts, and a miss copies int4 codes rather than decoding."""
+    step = max(group_size, INNER_K_TILES * 16)
+    return -(-in_features // step) * step
+
+
+def linear_bytes(scheme: str, shape: tuple, group_size: int | None, *, cuda: bool, dtype_bytes: int = 2,
+                 pad: bool = False) -> int:
     """Bytes make_linear allocates for a stored matrix (the planner's rule and the engine's, one place):
-    int4 in tinygemm's layout on CUDA (codes at half a byte, bfloat16 scale and zero′ per group),
-    int8 rows as stored on CUDA (a byte a value, a float16 scale a row), everything else dense in
-    the compute dtype."""
+    int4 in tinygemm's layout on CUDA (codes at half a byte, bfloat16 scale and zero′ per group;
+    pad: columns padded as make_linear pads them), int8 rows as stored on CUDA (a byte a value, a
+    float16 scale a row), everything else dense in the compute dtype."""
     out_features, in_features = shape
-    if cuda and scheme == "int4" and _tinygemm_fits((out_features, in_features), group_size):
-        return out_features * in_features // 2 + (in_features // group_size) * out_features * 2 * 2
+    if cuda and scheme == "int4" and _tinygemm_fits((out_features, in_features), group_size, pad):
+        columns = tinygemm_columns(in_features, group_size) if pad else in_features
+        return out_features * columns // 2 + (columns // group_size) * out_features * 2 * 2
     if cuda and scheme == "int8" and _int8_rows_planned():
         return out_features * in_features + out_features * 2
     return out_features * in_features * dtype_bytes
@@ -166,55 +184,66 @@ def _int8_rows_planned() -> bool:
     return os.environ.get(INT8_ENV, "rows").lower() != "dense"
 
 
-def make_linear(artifact, record, device, dtype, cache=None) -> Linear:
+def make_linear(artifact, record, device, dtype, cache=None, pad: bool = False) -> Linear:
     """The record as a Linear on device: a fused int4/int8 kernel on CUDA, dense elsewhere.
 
-    cache: a RepackCache keeping tinygemm layouts between loads.
+    cache: a RepackCache keeping tinygemm layouts between loads. pad: an int4 matrix whose columns
+    tinygemm does not take as they are is padded (tinygemm_columns) rather than made dense.
     """
     import torch
 
     cuda = str(device).startswith("cuda")
     forced_dense = os.environ.get(KERNEL_ENV, "auto") == "dense"
     if cuda and not forced_dense and dtype == torch.bfloat16:
-        if record.scheme == "int4" and tinygemm_fits(record):
-            packed, sz = (cache.get(record) if cache is not None else None) or _tinygemm_layout(artifact, record, device)
+        if record.scheme == "int4" and _tinygemm_fits(tuple(record.shape), record.group_size, pad):
+            in_features = record.shape[1]
+            columns = tinygemm_columns(in_features, record.group_size) if pad else in_features
+            packed, sz = ((cache.get(record) if cache is not None else None)
+                          or _tinygemm_layout(artifact, record, device, columns))
             if cache is not None:
                 cache.put(record, packed, sz)
-            return Int4Linear(packed.to(device), sz.to(device), record.group_size, *record.shape)
+            return Int4Linear(packed.to(device), sz.to(device), record.group_size, *record.shape, columns)
         if record.scheme == "int8" and int8_rows_kept():
             parts = artifact.packed(record, device).parts
             return Int8Linear(parts["qweight"].contiguous(), parts["scales"].contiguous())
     return Linear(artifact.decode(record, device, dtype).contiguous())
 
 
-def _tinygemm_layout(artifact, record, device):
+def _tinygemm_layout(artifact, record, device, columns=None):
     """The record's int4 parts in tinygemm's layout, made on the device."""
     parts = artifact.packed(record, "cpu").parts
-    return tinygemm_layout(parts["qweight"], parts["scales"], parts["zeros"], record.shape[1], device)
+    return tinygemm_layout(parts["qweight"], parts["scales"], parts["zeros"], record.shape[1], device, columns)
 
 
-def tinygemm_layout(qweight, scales, zeros, in_features: int, device=None):
-    """int4-stream parts (codes nibble-packed low first [out, in/2], fp16 scales and zeros [out, G])
-    → (packed codes, scales_and_zeros [G, out, 2] bf16) for `_weight_int4pack_mm`, on device
-    (default: the parts'). The codes cross and are reordered a block of rows at a time, so the
-    repack needs about twice the packed matrix on the device, not six times."""
+def tinygemm_layout(qweight, scales, zeros, in_features: int, device=None, columns=None):
+    """int4-stream parts (codes nibble-packed low first [out, Cp/2], fp16 scales and zeros [out, G])
+    → (packed codes, scales_and_zeros [columns/g, out, 2] bf16) for `_weight_int4pack_mm`, on device
+    (default: the parts'). columns (default in_features) pads the matrix with zero weights: code 0
+    with scale and zero 0 beyond the stored groups. The codes cross and are reordered a block of
+    rows at a time, so the repack needs about twice the packed matrix on the device, not six times."""
     import torch
+    import torch.nn.functional as F
 
     from gemmactl.formats.int4.quant import unpack_nibbles
     from gemmactl.formats.int4.reader import DEVICE_BLOCK_VALUES
 
     device = device or qweight.device
+    columns = columns or in_features
     rows = qweight.shape[0]
     # The kernel takes the codes nibble-packed two to a byte, high nibble first.
-    pairs = torch.empty((rows, in_features // 2), dtype=torch.uint8, device=device)  # [out, in/2]
-    step = max(1, min(rows, DEVICE_BLOCK_VALUES // max(in_features, 1)))
+    pairs = torch.zeros((rows, columns // 2), dtype=torch.uint8, device=device)  # [out, columns/2]
+    step = max(1, min(rows, DEVICE_BLOCK_VALUES // max(columns, 1)))
     for start in range(0, rows, step):
-        codes = unpack_nibbles(qweight[start:start + step].to(device))[:, :in_features]  # [r, in] uint8 0..15
-        pairs[start:start + step] = codes[:, ::2] << 4 | codes[:, 1::2]
+        codes = unpack_nibbles(qweight[start:start + step].to(device))[:, :columns]  # [r, ≤ columns] uint8 0..15
+        pairs[start:start + step, :codes.shape[1] // 2] = codes[:, ::2] << 4 | codes[:, 1::2]
     packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INNER_K_TILES)
     del pairs
     scale = scales.to(device).float()  # [out, G]
     zero = zeros.to(device).float() + 8 * scale  # zero′: what code 8 decodes to
+    group_size = qweight.shape[1] * 2 // scales.shape[1]
+    extra = columns // group_size - scales.shape[1]  # padded groups: scale and zero′ 0, weights exactly 0
+    if extra > 0:
+        scale, zero = F.pad(scale, (0, extra)), F.pad(zero, (0, extra))
     sz = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(torch.bfloat16)  # [G, out, 2]
     return packed, sz
 

@@ -1,0 +1,118 @@
+"""MoE experts ready to copy: every expert in the device kernel's layout, in one host buffer.
+
+An expert's miss used to make its Linears from the artifact's codes: read the mapped shards
+(pageable memory), cross the link, reorder into tinygemm's layout and allocate, one expert at a
+time with the host waiting. On an H200 that held a 26B-A4B-shaped model to 2 tok/s while its
+copies alone would allow 60 (docs/benchmarks.md). The arena does that work once, at load: each
+expert's tensors, as the device kernel takes them, are laid end to end in one row of a pinned host
+buffer. A device slot is a row of the same layout on the device, with Linears viewing it, made
+once; a miss is one asynchronous copy of a row on a side stream, and the compute stream waits for
+that copy's event only when it reaches that expert, so the copies of a layer's missed experts run
+while the experts before them compute. A slot is not refilled before the compute that last read it
+has run (an event recorded after each use).
+
+`SCRATCH` extra rows serve misses the cache does not keep (the cache off, or every slot held by
+the layer's own experts), in turn.
+
+On a machine without a GPU the arena is off by default (the host stands in for the device, and a
+copy of a row would be the same memory twice); tests turn it on there to check its layout, slots
+and bookkeeping with the host's tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gemmactl.runtime.engine.expert_settings import EXPERT_SCRATCH_ROWS as SCRATCH
+ALIGN = 256  # bytes: every tensor in a row starts at a multiple of this
+
+
+def _layout(linears: tuple) -> tuple[list, int]:
+    """[(linear index, tensor name, dtype, shape, offset)] of an expert's tensors and the row's bytes."""
+    entries, offset = [], 0
+    for index, linear in enumerate(linears):
+        for name, tensor in linear.tensors().items():
+            entries.append((index, name, tensor.dtype, tuple(tensor.shape), offset))
+            offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+    return entries, offset
+
+
+class ExpertArena:
+    """Every expert of a store in one host buffer in the device layout; device rows for the cache's
+    slots and the scratch rows; the copies between them, ordered by events on CUDA."""
+
+    def __init__(self, store, capacity: int):
+        self.store, self.device = store, store.device
+        self.cuda = self.device.type == "cuda"
+        keys = sorted(store.records)
+        template = store.linears(keys[0], self.device)
+        self.layout, self.row_bytes = _layout(template)
+        self.template = template
+        self.rows = {key: i for i, key in enumerate(keys)}
+        self.host = torch.empty((len(keys), self.row_bytes), dtype=torch.uint8, pin_memory=self.cuda)
+        for key, row in self.rows.items():  # expert by expert: never the whole model's codes at once
+            self._write(row, template if row == 0 else store.linears(key, self.device))
+        self.capacity = capacity
+        self.on_device = torch.empty((capacity + SCRATCH, self.row_bytes), dtype=torch.uint8, device=self.device)
+        self.views = [self._linears(self.on_device[i]) for i in range(capacity + SCRATCH)]
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.ready: list = [None] * (capacity + SCRATCH)  # the copy into the row, not yet waited for
+        self.freed: list = [None] * (capacity + SCRATCH)  # after the last compute that read the row
+        self._scratch = 0
+        if self.cuda:
+            torch.cuda.empty_cache()  # the layout work's temporaries: the arena's rows are all it keeps
+
+    def _write(self, row: int, linears: tuple) -> None:
+        for index, name, _dtype, _shape, offset in self.layout:
+            flat = linears[index].tensors()[name].contiguous().reshape(-1).view(torch.uint8)
+            self.host[row, offset:offset + flat.numel()].copy_(flat)
+
+    def _linears(self, row: torch.Tensor) -> tuple:
+        tensors: list = [dict() for _ in self.template]
+        for index, name, dtype, shape, offset in self.layout:
+            count = 1
+            for d in shape:
+                count *= d
+            nbytes = count * torch.empty((), dtype=dtype).element_size()
+            tensors[index][name] = row[offset:offset + nbytes].view(dtype).view(shape)
+        return tuple(linear.with_tensors(parts) for linear, parts in zip(self.template, tensors))
+
+    def host_bytes(self) -> int:
+        return self.host.numel()
+
+    def device_bytes(self) -> int:
+        return self.on_device.numel()
+
+    def scratch(self) -> int:
+        """The next scratch row, in turn."""
+        row = self.capacity + self._scratch
+        self._scratch = (self._scratch + 1) % SCRATCH
+        return row
+
+    def fill(self, key, row: int) -> None:
+        """Copy the expert key into device row (asynchronously on CUDA, once the row's last reader ran)."""
+        source = self.host[self.rows[key]]
+        if not self.cuda:
+            self.on_device[row].copy_(source)
+            return
+        with torch.cuda.stream(self.stream):
+            if self.freed[row] is not None:
+                self.stream.wait_event(self.freed[row])
+            self.on_device[row].copy_(source, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.ready[row] = done
+
+    def linears(self, row: int) -> tuple:
+        """The Linears viewing device row, once its copy has landed (the compute stream waits for it)."""
+        if self.ready[row] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[row])
+            self.ready[row] = None
+        return self.views[row]
+
+    def release(self, row: int) -> None:
+        """Mark the row's readers so far: a later fill waits for them."""
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self.freed[row] = done
