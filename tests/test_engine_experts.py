@@ -212,12 +212,12 @@ def test_run_reports_the_expert_cache_it_was_given_and_answers_alike(moe_run_art
     counters come back in --json, and the answer is the same with the cache off."""
     auto = _run(moe_run_artifact)
     experts = auto["model"]["engine"]["experts"]
-    assert experts["policy"] == "lru" and experts["capacity_experts"] == 96  # 12 layers × 8: room for all
+    assert experts["policy"] == "lfu" and experts["capacity_experts"] == 96  # 12 layers × 8: room for all
     assert experts["hits"] > 0 and experts["hits"] + experts["misses"] > 0
-    small = _run(moe_run_artifact, "--expert-cache", str(3 * experts["expert_bytes"]) + "B", "--expert-policy", "lfu",
+    small = _run(moe_run_artifact, "--expert-cache", str(3 * experts["expert_bytes"]) + "B", "--expert-policy", "hot",
                  "--expert-prefetch")
     assert small["model"]["engine"]["experts"]["capacity_experts"] == 3
-    assert small["model"]["engine"]["experts"]["policy"] == "lfu"
+    assert small["model"]["engine"]["experts"]["policy"] == "hot"
     assert small["model"]["engine"]["experts"]["prefetched"] > 0
     off = _run(moe_run_artifact, "--expert-cache", "off")
     assert off["model"]["engine"]["experts"]["hits"] == 0

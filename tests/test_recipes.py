@@ -85,7 +85,7 @@ def test_gemma4_4gb_recipe():
 
     reason = recipe.tier("reason")  # reason:/think: prompts (router.REASON)
     assert (reason.model, reason.backend, reason.thinking, reason.vram) == ("gemma-4-26B-A4B-it-int4", "int4", True, 4 << 30)
-    assert (reason.expert_cache, reason.expert_policy) == (None, "lru")  # auto: the plan's room
+    assert (reason.expert_cache, reason.expert_policy) == (None, "lfu")  # auto: the plan's room
     assert reason.make[-1] == "gemmactl quantize google/gemma-4-26B-A4B-it --int4-stream"
 
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICIES = ("lru", "lfu", "hot")
-DEFAULT_POLICY = "lru"  # provisional: the GPU measurement that is to choose it has not run yet
+# The best hit rate on the skewed synthetic traces of benchmarks/expert_policies.py (26B-A4B's
+# shape, the 4 GiB plan's 369 experts), and even with hot on the uniform one: uniform 8.0% (lru
+# 6.2%, hot 8.1%), Zipf 0.8 36.1% (lru 16.8%, hot 29.4%), Zipf 1.2 55.5% (lru 33.3%, hot 51.2%);
+# docs/benchmarks.md.
+DEFAULT_POLICY = "lfu"
 CACHE_WORDS = ("auto", "off")
 EXPERT_SCRATCH_ROWS = 2  # device rows, beside the cache, for the misses it does not keep (the plan counts them)
 

@@ -19,13 +19,15 @@ memory copies.
 
 Policies (`--expert-policy`):
   lru  evict the expert used longest ago;
-  lfu  evict the least used, counts halved every AGE_EVERY lookups so old favourites fade;
+  lfu  (the default) evict the least used, counts halved every AGE_EVERY lookups so old
+       favourites fade;
   hot  a pinned set learned from the counts (re-learned every AGE_EVERY lookups: the most used
        experts, up to PINNED_SHARE of the slots, are never evicted), the other slots LRU.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -56,6 +58,10 @@ class ExpertCache:
         self.uses: dict = {}  # key → uses, never decayed (what the counters report)
         self.pinned: set = set()
         self.hits = self.misses = self.lookups = 0
+        # lfu: a heap of (count, last use, key), entries made stale by a later use skipped, so a
+        # victim costs a pop or a few rather than a scan of every slot (the engine's host time).
+        self._heap: list = []
+        self._last_use: dict = {}  # key → lookups at its last use (ties go to the least recent)
 
     def lookup(self, key) -> int | None:
         """The key's slot on a hit (and a use counted), else None (a miss, counted)."""
@@ -70,6 +76,7 @@ class ExpertCache:
             return None
         self.hits += 1
         self.slots.move_to_end(key)
+        self._push(key)
         return slot
 
     def admit(self, key, keep=frozenset()) -> tuple[int | None, object]:
@@ -85,19 +92,42 @@ class ExpertCache:
                 return None, None
             slot = self.slots.pop(evicted)
         self.slots[key] = slot
+        self._push(key)
         return slot, evicted
 
-    def _victim(self, keep=frozenset()):
-        candidates = [key for key in self.slots if key not in self.pinned and key not in keep]  # oldest use first
-        if not candidates:
-            return None
+    def _push(self, key) -> None:
         if self.policy == "lfu":
-            return min(candidates, key=lambda key: self.counts.get(key, 0))  # ties: least recent
-        return candidates[0]
+            self._last_use[key] = self.lookups
+            heapq.heappush(self._heap, (self.counts.get(key, 0), self.lookups, key))
+            if len(self._heap) > 8 * self.capacity + 1024:
+                self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(self.counts.get(key, 0), self._last_use[key], key) for key in self.slots]
+        heapq.heapify(self._heap)
+
+    def _victim(self, keep=frozenset()):
+        if self.policy == "lfu":  # the least used; ties: the least recently used
+            skipped, victim = [], None
+            while self._heap:
+                count, last, key = heapq.heappop(self._heap)
+                if key not in self.slots or self._last_use.get(key) != last or self.counts.get(key, 0) != count:
+                    continue  # stale: used again since, evicted, or aged
+                if key in keep:
+                    skipped.append((count, last, key))
+                    continue
+                victim = key
+                break
+            for entry in skipped:
+                heapq.heappush(self._heap, entry)
+            return victim
+        # lru, and hot's unpinned slots: the least recently used
+        return next((key for key in self.slots if key not in self.pinned and key not in keep), None)
 
     def _age(self) -> None:
         if self.policy == "lfu":
             self.counts = {key: count // 2 for key, count in self.counts.items() if count > 1}
+            self._rebuild()
         elif self.policy == "hot":
             ranked = sorted(self.counts, key=lambda key: -self.counts[key])
             self.pinned = set(ranked[: int(self.capacity * PINNED_SHARE)]) & set(self.slots)
