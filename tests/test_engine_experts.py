@@ -126,6 +126,64 @@ def test_gpu_experts_from_the_arena_decode_like_without(moe_artifact):
         assert (logits.float() - expected_logits.float()).abs().max() <= 1e-2 * expected_logits.float().abs().max()
 
 
+def test_the_forward_hands_each_moe_layers_experts_to_its_caller(moe_artifact):
+    """forward(experts_of=...) is where a captured MoE step cuts its graphs: it is called once per
+    MoE layer, in order, with the router's choice made, and what it returns is that layer's sum."""
+    engine = _engine(moe_artifact)
+    tokens, positions = torch.tensor([2, 5, 7]), torch.arange(3)
+    with torch.inference_mode():
+        expected = engine.step(tokens, positions, 3)
+        engine.reset()
+        calls = []
+
+        def experts_of(call):
+            calls.append(call)
+            return call.run()
+
+        x, per_layer = engine.embed_tokens(tokens)
+        logits = engine.forward(x, per_layer, positions, 3, experts_of=experts_of)
+    assert torch.equal(logits, expected)
+    assert [call.block.layer for call in calls] == [layer.spec.index for layer in engine.layers if layer.moe is not None]
+    assert all(call.experts.shape == (3, engine.experts.top_k) for call in calls)
+
+
+def test_an_moe_step_is_captured_in_pieces_only_when_asked_on_cuda(monkeypatch):
+    from types import SimpleNamespace
+
+    from gemmactl.runtime.engine.graph import GRAPH_ENV, moe_pieces_wanted
+    from gemmactl.runtime.engine.placement import EnginePlacement
+
+    model = SimpleNamespace(placement=EnginePlacement(("resident",) * 4, tables_on_host=True), experts=object(),
+                            device=torch.device("cuda"))
+    monkeypatch.setenv(GRAPH_ENV, "auto")
+    assert not moe_pieces_wanted(model)  # not the default until measured on a GPU
+    monkeypatch.setenv(GRAPH_ENV, "on")
+    assert moe_pieces_wanted(model)
+    model.placement = EnginePlacement(("resident", "streamed", "resident", "resident"))
+    assert not moe_pieces_wanted(model)
+    model.placement, model.device = EnginePlacement(("resident",) * 4), torch.device("cpu")
+    assert not moe_pieces_wanted(model)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_step_captured_between_routing_decisions_decodes_like_eager(moe_artifact, monkeypatch):
+    """GEMMACTL_ENGINE_GRAPH=on: the step in graphs between the MoE layers' experts, the experts
+    eager between replays; the tokens of the eager step, and logits within bfloat16 rounding."""
+    from gemmactl.runtime.engine.graph import DecodeStep
+    from gemmactl.runtime.engine.graph_moe import PiecewiseDecode
+    from gemmactl.runtime.engine.model import GemmaModel
+
+    monkeypatch.setenv("GEMMACTL_ENGINE_GRAPH", "on")
+    engine = GemmaModel(moe_artifact, device="cuda", dtype=torch.bfloat16, context=64)
+    expected, expected_logits = engine_greedy(engine, PROMPT, STEPS)  # eager, bounded
+    step = DecodeStep(engine)
+    assert isinstance(step.graph, PiecewiseDecode)
+    assert len(step.graph.graphs) == len(step.graph.calls) + 1 == sum(1 for layer in engine.layers if layer.moe) + 1
+    tokens, logits = engine_greedy(engine, PROMPT, STEPS, decoder=step)
+    assert tokens == expected
+    assert (logits.float() - expected_logits.float()).abs().max() <= 1e-2 * expected_logits.float().abs().max()
+
+
 def test_lru_evicts_the_least_recently_used():
     cache = ExpertCache(2, "lru")
     for key in ("a", "b"):

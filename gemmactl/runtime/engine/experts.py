@@ -247,6 +247,11 @@ class MoEBlock:
         """The experts' sum for x [T, H] (pre_feedforward_layernorm_2 applied), routed from the
         residual stream before the feed-forward norms, as transformers routes it."""
         weights, experts = self.route(residual)
+        return self.combine(x, residual, weights, experts)
+
+    def combine(self, x: torch.Tensor, residual: torch.Tensor, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+        """The experts' sum for x [T, H] with the router's choice already made (route())."""
         self.counters.tokens += x.shape[0]
         if self.store.arena is not None:
             out = self._from_arena(x, weights, experts)

@@ -23,16 +23,25 @@ import time
 
 import torch
 
-from gemmactl.runtime.engine.placement import HOST
+from gemmactl.runtime.engine.placement import HOST, RESIDENT
 
 COMPILE_ENV = "GEMMACTL_ENGINE_COMPILE"  # auto (on for CUDA) | on | max (inductor's autotuning too) | off
 GRAPH_ENV = "GEMMACTL_ENGINE_GRAPH"  # auto (on for CUDA) | on (forced, also off CUDA where every layer is resident) | off
 
 
+def moe_pieces_wanted(model) -> bool:
+    """Whether to capture an MoE model's step between its routing decisions (graph_moe.py): only
+    when GRAPH_ENV is on, on CUDA, with every layer resident (not yet measured on a GPU)."""
+    placement = model.placement
+    return (model.experts is not None and os.environ.get(GRAPH_ENV, "auto").lower() == "on"
+            and model.device.type == "cuda" and all(kind == RESIDENT for kind in placement.layers))
+
+
 def wanted(env: str, model) -> bool:
     """Whether to compile / capture: on CUDA by default. Never for a model that runs layers on the
-    host (host compute cannot be captured), nor for MoE experts (which experts a step runs, and
-    whether they are cached, is decided on the host). Streamed layers or tables in host memory:
+    host (host compute cannot be captured), nor whole for MoE experts (which experts a step runs,
+    and whether they are cached, is decided on the host; moe_pieces_wanted says when the pieces
+    between are captured). Streamed layers or tables in host memory:
     captured, never fused (the copies run on their own stream)."""
     setting = os.environ.get(env, "auto").lower()
     placement = model.placement
@@ -66,6 +75,10 @@ class DecodeStep:
         self._step = step
         if wanted(GRAPH_ENV, model):
             self._capture()
+        elif moe_pieces_wanted(model):
+            from gemmactl.runtime.engine.graph_moe import PiecewiseDecode
+
+            self.graph = PiecewiseDecode(model)  # replayed piece by piece, the experts between
         self.setup_s = time.perf_counter() - start
 
     def _capture(self) -> None:
@@ -94,6 +107,8 @@ class DecodeStep:
         if self.graph is None:
             with torch.inference_mode():
                 return self._step(token.reshape(1), torch.tensor([position], device=self.model.device), position + 1)
+        if not isinstance(self.graph, torch.cuda.CUDAGraph):
+            return self.graph(token, position)
         self.token.copy_(token.reshape(1))
         self.position.fill_(position)
         if self.model.placement.tables_on_host:

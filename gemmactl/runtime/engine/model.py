@@ -36,6 +36,21 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 @dataclass
+class ExpertCall:
+    """An MoE layer's experts to run: their input x [T, H], the residual stream the router read,
+    and its choice (weights [T, k], experts [T, k])."""
+
+    block: object  # the layer's MoEBlock
+    x: torch.Tensor
+    residual: torch.Tensor
+    weights: torch.Tensor
+    experts: torch.Tensor
+
+    def run(self) -> torch.Tensor:
+        return self.block.combine(self.x, self.residual, self.weights, self.experts)
+
+
+@dataclass
 class Attention:
     q: Linear
     k: Linear | None
@@ -269,7 +284,10 @@ class GemmaModel:
         return self.forward(x, per_layer_inputs, positions, end, all_logits)
 
     def forward(self, x: torch.Tensor, per_layer_inputs: torch.Tensor | None, positions: torch.Tensor,
-                end: int | None = None, all_logits: bool = False) -> torch.Tensor:
+                end: int | None = None, all_logits: bool = False, experts_of=None) -> torch.Tensor:
+        """experts_of: called with each MoE layer's `ExpertCall` (the experts' input and the router's
+        choice), returns the experts' sum; by default the layer's block computes it. A captured
+        step ends one CUDA graph and begins the next there (runtime/engine/graph_moe.py)."""
         spec = self.spec
         # Positions, rope rows and per-layer inputs on each device a layer runs on.
         here = {}
@@ -295,7 +313,10 @@ class GemmaModel:
             residual = x
             h = layer.feed_forward(rms_norm(x, layer.norms["pre_feedforward"], spec.eps))
             if layer.moe is not None:  # Gemma 4 MoE: the experts' sum beside the dense MLP's
-                experts = layer.moe(rms_norm(x, layer.norms["pre_feedforward_layernorm_2"], spec.eps), x)
+                weights, chosen = layer.moe.route(x)
+                call = ExpertCall(layer.moe, rms_norm(x, layer.norms["pre_feedforward_layernorm_2"], spec.eps), x,
+                                  weights, chosen)
+                experts = experts_of(call) if experts_of is not None else call.run()
                 h = (rms_norm(h, layer.norms["post_feedforward_layernorm_1"], spec.eps)
                      + rms_norm(experts, layer.norms["post_feedforward_layernorm_2"], spec.eps))
             x = residual + rms_norm(h, layer.norms["post_feedforward"], spec.eps)
