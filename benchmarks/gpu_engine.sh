@@ -11,7 +11,8 @@
 #     compare  gemmactl bench: the engine beside llama-server and HF generate, short and 512-token prompts
 #     start    cold and warm start to the first token, beside transformers from_pretrained
 #     capped   under a cap that keeps half the layers resident: where the streamed step's time goes,
-#              then the engine (eager with GEMMACTL_ENGINE_GRAPH=off, then captured as by default) beside llama.cpp
+#              then the engine (eager with GEMMACTL_ENGINE_GRAPH=off, then captured: as by default, or for
+#              26b-a4b with GEMMACTL_ENGINE_GRAPH=on, its step in pieces) beside llama.cpp
 #              with the plan's -ngl/-ot and (eager run only) accelerate; e.g. KIND e4b
 # KIND 26b-a4b is never a checkpoint: `prepare 26b-a4b` writes its int4-stream artifact and a Q4_K
 # GGUF straight from random blocks (tests/helpers/random_gemma.py --int4-stream / --gguf-from), and
@@ -89,7 +90,9 @@ case $stage in
     [ "$kind" != 26b-a4b ] || cap=(--cap 4G)  # an MoE model's layers fit early: the 4 GB box's cap
     GEMMACTL_ENGINE_GRAPH=off $py "$root/benchmarks/engine_capped.py" --artifact "$art" --gguf "$gguf" "${hf[@]}" "${cap[@]}" \
       --bench "$(build_binary llama-bench)" --out "$out/capped-$kind" > "$out/engine-$kind-capped.txt"
-    $py "$root/benchmarks/engine_capped.py" --artifact "$art" --gguf "$gguf" "${cap[@]}" \
+    graph=auto
+    [ "$kind" != 26b-a4b ] || graph=on  # an MoE step in pieces between its routing decisions (asked for)
+    GEMMACTL_ENGINE_GRAPH=$graph $py "$root/benchmarks/engine_capped.py" --artifact "$art" --gguf "$gguf" "${cap[@]}" \
       --bench "$(build_binary llama-bench)" --out "$out/capped-$kind-captured" > "$out/engine-$kind-capped-captured.txt"
     ;;
 esac
