@@ -24,7 +24,13 @@ from __future__ import annotations
 import torch
 
 from gemmactl.runtime.engine.expert_settings import EXPERT_SCRATCH_ROWS as SCRATCH
+
 ALIGN = 256  # bytes: every tensor in a row starts at a multiple of this
+# Pinned host memory comes from torch's host allocator, which rounds a request up to a power of
+# two: one 12.8 GB buffer would pin 16 GiB. Chunks of whole rows just under a power of two waste
+# at most about a row each.
+CHUNK_BYTES = 256 << 20
+assert SCRATCH >= 2, "a scratch miss is filled one ahead: it needs a row the current one is not reading"
 
 
 def _layout(linears: tuple) -> tuple[list, int]:
@@ -49,7 +55,9 @@ class ExpertArena:
         self.layout, self.row_bytes = _layout(template)
         self.template = template
         self.rows = {key: i for i, key in enumerate(keys)}
-        self.host = torch.empty((len(keys), self.row_bytes), dtype=torch.uint8, pin_memory=self.cuda)
+        self.per_chunk = max(1, CHUNK_BYTES // self.row_bytes)
+        self.chunks = [torch.empty((min(self.per_chunk, len(keys) - start), self.row_bytes), dtype=torch.uint8,
+                                   pin_memory=self.cuda) for start in range(0, len(keys), self.per_chunk)]
         for key, row in self.rows.items():  # expert by expert: never the whole model's codes at once
             self._write(row, template if row == 0 else store.linears(key, self.device))
         self.capacity = capacity
@@ -62,10 +70,17 @@ class ExpertArena:
         if self.cuda:
             torch.cuda.empty_cache()  # the layout work's temporaries: the arena's rows are all it keeps
 
+    def host_row(self, row: int) -> torch.Tensor:
+        return self.chunks[row // self.per_chunk][row % self.per_chunk]
+
     def _write(self, row: int, linears: tuple) -> None:
-        for index, name, _dtype, _shape, offset in self.layout:
-            flat = linears[index].tensors()[name].contiguous().reshape(-1).view(torch.uint8)
-            self.host[row, offset:offset + flat.numel()].copy_(flat)
+        for index, name, dtype, shape, offset in self.layout:
+            tensor = linears[index].tensors()[name]
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape:  # every row has the first expert's layout
+                raise ValueError(f"expert {row}'s {name} is {tuple(tensor.shape)} {tensor.dtype}, "
+                                 f"not {shape} {dtype} as the first expert's")
+            flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+            self.host_row(row)[offset:offset + flat.numel()].copy_(flat)
 
     def _linears(self, row: torch.Tensor) -> tuple:
         tensors: list = [dict() for _ in self.template]
@@ -78,7 +93,7 @@ class ExpertArena:
         return tuple(linear.with_tensors(parts) for linear, parts in zip(self.template, tensors))
 
     def host_bytes(self) -> int:
-        return self.host.numel()
+        return sum(chunk.numel() for chunk in self.chunks)
 
     def device_bytes(self) -> int:
         return self.on_device.numel()
@@ -91,7 +106,7 @@ class ExpertArena:
 
     def fill(self, key, row: int) -> None:
         """Copy the expert key into device row (asynchronously on CUDA, once the row's last reader ran)."""
-        source = self.host[self.rows[key]]
+        source = self.host_row(self.rows[key])
         if not self.cuda:
             self.on_device[row].copy_(source)
             return

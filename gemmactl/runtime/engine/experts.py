@@ -12,10 +12,12 @@ of the experts before it; int4 experts run in tinygemm with their columns padded
 
 The block computes exactly what transformers' Gemma 4 MoE block computes, expert by expert in
 ascending order with each expert's tokens grouped (its weights read once per step), so the
-answer does not depend on where an expert came from: greedy tokens are the same with the cache
-on or off and under every policy (tests/test_engine_experts.py). On a machine without a GPU the
-host stands in for the device: the cache, its policy and its counters run, and copies are
-memory copies.
+answer does not depend on whether an expert was cached: greedy tokens are the same with the cache
+on or off and under every policy (tests/test_engine_experts.py). One exception on a GPU: an
+expert computed on the host is decoded dense there, where the device's tinygemm rounds each
+group's scale and zero to bfloat16, so the two can differ in the last bits. On a machine
+without a GPU the host stands in for the device: the cache, its policy and its counters run,
+and copies are memory copies.
 
 Policies (`--expert-policy`):
   lru  evict the expert used longest ago;
@@ -61,7 +63,8 @@ class ExpertCache:
         # lfu: a heap of (count, last use, key), entries made stale by a later use skipped, so a
         # victim costs a pop or a few rather than a scan of every slot (the engine's host time).
         self._heap: list = []
-        self._last_use: dict = {}  # key → lookups at its last use (ties go to the least recent)
+        self._last_use: dict = {}  # key → the push of its last use (ties go to the least recent)
+        self._pushes = 0
 
     def lookup(self, key) -> int | None:
         """The key's slot on a hit (and a use counted), else None (a miss, counted)."""
@@ -97,8 +100,9 @@ class ExpertCache:
 
     def _push(self, key) -> None:
         if self.policy == "lfu":
-            self._last_use[key] = self.lookups
-            heapq.heappush(self._heap, (self.counts.get(key, 0), self.lookups, key))
+            self._pushes += 1
+            self._last_use[key] = self._pushes
+            heapq.heappush(self._heap, (self.counts.get(key, 0), self._pushes, key))
             if len(self._heap) > 8 * self.capacity + 1024:
                 self._rebuild()
 
@@ -135,7 +139,7 @@ class ExpertCache:
 
     def stats(self) -> dict:
         return {"policy": self.policy, "capacity_experts": self.capacity, "hits": self.hits, "misses": self.misses,
-                "hit_rate": round(self.hits / self.lookups, 4) if self.lookups else None,
+                "hit_rate": round(self.hits / (self.hits + self.misses), 4) if self.hits + self.misses else None,
                 "pinned": len(self.pinned)}
 
 
@@ -327,7 +331,7 @@ class MoEBlock:
         tokens = x.shape[0]
         picked = experts[0].tolist() if tokens == 1 else None  # one token: one sync, no grouping
         order = sorted(set(picked)) if picked is not None else torch.unique(experts).tolist()
-        sources, held = [], set()
+        sources, held = [], {(self.layer, expert) for expert in order}  # none evicted while the layer runs
         for expert in order:  # ascending, as transformers adds them
             key = (self.layer, expert)
             slot = self._lookup(key)
@@ -342,7 +346,6 @@ class MoEBlock:
                 sources.append(slot if slot is not None else "scratch")
             else:
                 sources.append(slot)
-            held.add(key)
         scratch = [i for i, source in enumerate(sources) if source == "scratch"]
         rows: dict = {}
 

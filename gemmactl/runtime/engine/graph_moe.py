@@ -18,6 +18,8 @@ masked. Only where every layer is resident on the GPU; asked for with GEMMACTL_E
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -69,10 +71,18 @@ class PiecewiseDecode:
             begin()
             try:
                 self.logits = model.forward(self.x, self.per_layer, self.position, experts_of=cut)  # [V]
-            finally:
-                if open_capture:
-                    end()
+            except BaseException:
+                if open_capture:  # close the capture with the error, so the error is the one raised
+                    try:
+                        open_capture.pop().__exit__(*sys.exc_info())
+                    except Exception:  # noqa: BLE001 - the first error is the one to report
+                        pass
+                raise
+            end()
         model.reset()  # the warm-up and capture wrote position 0 of the caches
+        experts = model.experts  # the warm-up's expert uses are not the caller's
+        experts.counters.__init__()
+        experts.cache.hits = experts.cache.misses = 0
 
     def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
         """Logits [V] after token (a 0-dim or [1] tensor on the device) at position."""
