@@ -14,7 +14,10 @@ came from), one cap, one prompt:
 
 Every run is its own process; the GPU memory it used (nvidia-smi, the device's used memory above
 the idle baseline, sampled every 50 ms) is recorded against the cap. Prints a markdown table and
-writes OUT/engine_capped.json. `--runs` picks among verify, run, bench and accelerate (default: all).
+writes OUT/engine_capped.json. `--runs` picks among verify, run, bench and accelerate (default: all),
+and two runs for MoE models: `sweep`, llama-bench over `--n-cpu-moe` from every layer's experts on
+the CPU down until a point overruns the cap (the best point that fits is named), and `fit`,
+llama-bench with llama.cpp's own fitting (`--fit-target`: the device's memory less the cap kept free).
 
     python benchmarks/engine_capped.py --artifact DIR --gguf FILE --hf-model DIR --bench llama-bench --out DIR
 """
@@ -28,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_plan import bench_tg, run_sampled  # noqa: E402
+from gpu_plan import _smi_mib, bench_tg, run_sampled  # noqa: E402
 
 STEP = 64 << 20
 ACCELERATE = r"""
@@ -171,6 +174,14 @@ def main() -> None:
 
     if "bench" in runs:
         bench(args, vram, result)
+    if "sweep" in runs:
+        result["n_cpu_moe_sweep"] = sweep(args, cap_mib)
+    if "fit" in runs:
+        proc, peak = run_sampled([args.bench, "-m", args.gguf, "-p", "512", "-n", str(args.tokens), "-r", "1", "-o",
+                                  "json", "-fitt", str(max(0, _smi_mib("total") - cap_mib))], args.out / "llama-fit.log")
+        tg, pp, ngl = bench_tg(proc)
+        result["llama_fit"] = {"tg_tok_s": tg, "pp_tok_s": pp, "n_gpu_layers": ngl, "peak_mib": peak,
+                               "fits": peak <= cap_mib, "exit": proc.returncode}
     if args.hf_model and "accelerate" in runs:
         data, peak, status = sampled_json(
             [sys.executable, "-c", ACCELERATE, args.hf_model, str(cap), str(args.accelerate_tokens), str(prompt_file)],
@@ -180,6 +191,27 @@ def main() -> None:
     (args.out / "engine_capped.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     print(table(result))
+
+
+def sweep(args, cap_mib: int) -> dict:
+    """llama-bench with every layer on the GPU and the experts of n layers on the CPU, n from all
+    of them down in steps of 2 until a point's peak overruns the cap (fewer on the CPU only needs
+    more memory)."""
+    from gemmactl.formats.gguf_header import read_gguf_header
+
+    layers = int(read_gguf_header(Path(args.gguf), tensors=False).arch_key("block_count"))
+    points = []
+    for n in range(layers, -1, -2):
+        proc, peak = run_sampled([args.bench, "-m", args.gguf, "-p", "512", "-n", str(args.tokens), "-r", "1", "-o",
+                                  "json", "-ngl", "99", "-ncmoe", str(n)], args.out / f"llama-ncmoe-{n}.log")
+        tg, pp, _ = bench_tg(proc)
+        points.append({"n_cpu_moe": n, "tg_tok_s": tg, "pp_tok_s": pp, "peak_mib": peak, "fits": peak <= cap_mib,
+                       "exit": proc.returncode})
+        if peak > cap_mib or proc.returncode != 0:
+            break
+    fitting = [p for p in points if p["fits"] and p["tg_tok_s"]]
+    best = max(fitting, key=lambda p: p["tg_tok_s"], default=None)
+    return {"points": points, "best": best}
 
 
 def bench(args, vram: str, result: dict) -> None:
@@ -221,6 +253,13 @@ def table(r: dict) -> str:
         f"| llama.cpp, `run` | {fmt(lcpp['decode_tok_s'])} | {fmt(lcpp['wall_tok_s'])} | {fmt(lcpp['ttft_s'], '.3f')} | "
         f"{lcpp['peak_mib']} | |",
     ]
+    best, fit = (r.get("n_cpu_moe_sweep") or {}).get("best"), r.get("llama_fit")
+    if best:
+        points = len(r["n_cpu_moe_sweep"]["points"])
+        rows.append(f"| llama.cpp, llama-bench `-ngl 99 -ncmoe {best['n_cpu_moe']}` (best fitting of {points} points) | "
+                    f"{fmt(best['tg_tok_s'])} | | | {best['peak_mib']} | |")
+    if fit:
+        rows.append(f"| llama.cpp, llama-bench `--fit-target` | {fmt(fit['tg_tok_s'])} | | | {fit['peak_mib']} | |")
     if acc:
         rows.append(f"| accelerate bf16 | {fmt(acc.get('decode_tok_s'), '.2f')} | {fmt(acc.get('wall_tok_s'), '.2f')} | "
                     f"{fmt(acc.get('ttft_s'), '.3f')} | {acc.get('peak_mib')} | |")
@@ -228,6 +267,8 @@ def table(r: dict) -> str:
              f"| llama.cpp (llama-bench tg) | {_ratio(v.get('measured_decode_tok_s'), lb['tg_tok_s'])} | | |",
              f"| llama.cpp (`run`) | {_ratio(eng['decode_tok_s'], lcpp['decode_tok_s'])} | "
              f"{_ratio(eng['wall_tok_s'], lcpp['wall_tok_s'])} | {_ratio(lcpp['ttft_s'], eng['ttft_s'])} |"]
+    if best:
+        rows.append(f"| llama.cpp (best `-ncmoe`) | {_ratio(eng['decode_tok_s'], best['tg_tok_s'])} | | |")
     if acc:
         rows.append(f"| accelerate | {_ratio(eng['decode_tok_s'], acc.get('decode_tok_s'))} | "
                     f"{_ratio(eng['wall_tok_s'], acc.get('wall_tok_s'))} | {_ratio(acc.get('ttft_s'), eng['ttft_s'])} |")

@@ -87,12 +87,14 @@ case $stage in
     [ "$kind" = 26b-a4b ] || $py "$root/benchmarks/engine_stream_step.py" "$art" > "$out/engine-$kind-stream-step.json"
     hf=() cap=()
     [ ! -f "$ckpt/config.json" ] || hf=(--hf-model "$ckpt")
-    [ "$kind" != 26b-a4b ] || cap=(--cap 4G)  # an MoE model's layers fit early: the 4 GB box's cap
+    # an MoE model's layers fit early: the 4 GB box's cap, and llama.cpp's --n-cpu-moe sweep and --fit
+    again=()
+    [ "$kind" != 26b-a4b ] || { cap=(--cap 4G --runs verify,run,bench,sweep,fit); again=(--cap 4G --runs verify,run,bench); }
     GEMMACTL_ENGINE_GRAPH=off $py "$root/benchmarks/engine_capped.py" --artifact "$art" --gguf "$gguf" "${hf[@]}" "${cap[@]}" \
       --bench "$(build_binary llama-bench)" --out "$out/capped-$kind" > "$out/engine-$kind-capped.txt"
     graph=auto
     [ "$kind" != 26b-a4b ] || graph=on  # an MoE step in pieces between its routing decisions (asked for)
-    GEMMACTL_ENGINE_GRAPH=$graph $py "$root/benchmarks/engine_capped.py" --artifact "$art" --gguf "$gguf" "${cap[@]}" \
+    GEMMACTL_ENGINE_GRAPH=$graph $py "$root/benchmarks/engine_capped.py" --artifact "$art" --gguf "$gguf" "${again[@]}" \
       --bench "$(build_binary llama-bench)" --out "$out/capped-$kind-captured" > "$out/engine-$kind-capped-captured.txt"
     ;;
 esac
