@@ -1,11 +1,11 @@
-"""MoE experts ready to copy: every expert in the device kernel's layout, in one host buffer.
+"""MoE experts ready to copy: every expert in the device kernel's layout, in pinned host memory.
 
 An expert's miss used to make its Linears from the artifact's codes: read the mapped shards
 (pageable memory), cross the link, reorder into tinygemm's layout and allocate, one expert at a
 time with the host waiting. On an H200 that held a 26B-A4B-shaped model to 2 tok/s while its
 copies alone would allow 60 (docs/benchmarks.md). The arena does that work once, at load: each
-expert's tensors, as the device kernel takes them, are laid end to end in one row of a pinned host
-buffer. A device slot is a row of the same layout on the device, with Linears viewing it, made
+expert's tensors, as the device kernel takes them, are laid end to end in one row of pinned host
+memory (rows kept in chunks, CHUNK_BYTES). A device slot is a row of the same layout on the device, with Linears viewing it, made
 once; a miss is one asynchronous copy of a row on a side stream, and the compute stream waits for
 that copy's event only when it reaches that expert, so the copies of a layer's missed experts run
 while the experts before them compute. A slot is not refilled before the compute that last read it
@@ -44,7 +44,7 @@ def _layout(linears: tuple) -> tuple[list, int]:
 
 
 class ExpertArena:
-    """Every expert of a store in one host buffer in the device layout; device rows for the cache's
+    """Every expert of a store in pinned host rows in the device layout; device rows for the cache's
     slots and the scratch rows; the copies between them, ordered by events on CUDA."""
 
     def __init__(self, store, capacity: int):

@@ -6,7 +6,7 @@ stores them (int4 codes, views of the mapped shards: nothing is read until an ex
 and an `ExpertCache` of a fixed number of slots keeps recently or frequently used ones on the
 device in the kernel's layout. A miss is copied in (evicting by the cache's policy) or computed on
 the host from the stored codes; `MissRule` decides per layer and batch from the machine profile.
-On CUDA the experts are first laid out in the kernel's layout in one pinned host buffer
+On CUDA the experts are first laid out in the kernel's layout in pinned host memory
 (runtime/engine/expert_arena.py), so a miss is one asynchronous copy overlapped with the compute
 of the experts before it; int4 experts run in tinygemm with their columns padded where needed.
 
