@@ -228,6 +228,14 @@ def expert_forward(linears: tuple, x: torch.Tensor) -> torch.Tensor:
     return down(F.gelu(gate, approximate="tanh") * up)
 
 
+def _tokens_of(experts: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, top-k slots) of the tokens routed to expert, in transformers' order: by slot,
+    then token."""
+    positions, slots = torch.where(experts == expert)  # token-major
+    order = torch.argsort(slots * experts.shape[0] + positions)
+    return positions[order], slots[order]
+
+
 class MoEBlock:
     """One layer's router and experts (Gemma 4): the part of the feed-forward that MoE layers add."""
 
@@ -264,9 +272,7 @@ class MoEBlock:
             return out
         out = torch.zeros_like(x)
         for expert in torch.unique(experts).tolist():  # ascending, as transformers adds them
-            positions, slots = torch.where(experts == expert)  # token-major
-            order = torch.argsort(slots * x.shape[0] + positions)  # transformers' order: by slot, then token
-            positions, slots = positions[order], slots[order]
+            positions, slots = _tokens_of(experts, expert)
             y = self._run((self.layer, expert), x[positions])
             y = y * weights[positions, slots, None]
             out.index_add_(0, positions, y.to(out.dtype))
@@ -356,19 +362,19 @@ class MoEBlock:
 
         fill_scratch(0)
         out = torch.zeros_like(x)
+        scratch_seen = 0
         for i, (expert, source) in enumerate(zip(order, sources)):
             key = (self.layer, expert)
             if source == "scratch":
-                fill_scratch(scratch.index(i) + 1)
+                scratch_seen += 1
+                fill_scratch(scratch_seen)  # the next one, into the row the one before this freed
                 source = rows[i]
             if picked is not None:  # one token: every picked expert reads it
                 y = self._host(key, x) if source == "host" else expert_forward(arena.linears(source), x)
                 slot_of = picked.index(expert)
                 out.add_((y * weights[:, slot_of:slot_of + 1]).to(out.dtype))
             else:
-                positions, slots = torch.where(experts == expert)  # token-major
-                order_ = torch.argsort(slots * tokens + positions)  # transformers' order: by slot, then token
-                positions, slots = positions[order_], slots[order_]
+                positions, slots = _tokens_of(experts, expert)
                 y = self._host(key, x[positions]) if source == "host" else expert_forward(arena.linears(source),
                                                                                           x[positions])
                 out.index_add_(0, positions, (y * weights[positions, slots, None]).to(out.dtype))
@@ -377,7 +383,7 @@ class MoEBlock:
         return out
 
     def _run(self, key, x: torch.Tensor) -> torch.Tensor:
-        store, cache, counters = self.store, self.cache, self.counters
+        store, counters = self.store, self.counters
         slot = self._lookup(key)
         if slot is not None:
             return expert_forward(store.slots[slot], x)
@@ -386,7 +392,7 @@ class MoEBlock:
         linears = store.linears(key, store.device)
         counters.copied += 1
         counters.copied_bytes += store.stored_bytes
-        slot, _ = cache.admit(key)
+        slot, _ = self.cache.admit(key)
         if slot is not None:
             store.slots[slot] = linears
         return expert_forward(linears, x)
