@@ -18,6 +18,9 @@ writes OUT/engine_capped.json. `--runs` picks among verify, run, bench and accel
 and two runs for MoE models: `sweep`, llama-bench over `--n-cpu-moe` from every layer's experts on
 the CPU down until a point overruns the cap (the best point that fits is named), and `fit`,
 llama-bench with llama.cpp's own fitting (`--fit-target`: the device's memory less the cap kept free).
+`--zipf S` skews the engine's routers on purpose (benchmarks/skewed_router.py: Zipf S over each
+layer's experts, synthetic), and `--runs policies` runs the engine once per expert cache policy and
+once with the cache off (hit rate, bytes over the link per token, decode and wall tok/s).
 
     python benchmarks/engine_capped.py --artifact DIR --gguf FILE --hf-model DIR --bench llama-bench --out DIR
 """
@@ -132,7 +135,9 @@ def main() -> None:
     parser.add_argument("--accelerate-tokens", type=int, default=16)
     parser.add_argument("--prompt-words", type=int, default=380, help="about 512 tokens")
     parser.add_argument("--runs", default="verify,run,bench,accelerate",
-                        help="which runs, comma-separated (run: `gemmactl run` on both back ends)")
+                        help="which runs, comma-separated (run: `gemmactl run` on both back ends; run-engine, "
+                             "run-llamacpp: on one)")
+    parser.add_argument("--zipf", type=float, help="skew the engine's MoE routers: Zipf S over each layer's experts")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     runs = set(args.runs.split(","))
@@ -149,6 +154,7 @@ def main() -> None:
     cap_mib = cap >> 20
     vram = f"{cap_mib}M"
     result: dict = {"command": " ".join(sys.argv), "cap_mib": cap_mib, "context": args.context, "tokens": args.tokens,
+                    "router": "uniform (random weights)" if args.zipf is None else f"synthetic Zipf {args.zipf}",
                     "engine_map": {k: engine_map[k] for k in ("counts", "tables", "gpu_bytes", "link_bytes_per_token",
                                                               "decode_tok_s")},
                     "cap_chosen_in_s": round(time.perf_counter() - start, 1)}
@@ -165,12 +171,27 @@ def main() -> None:
 
     recipe = args.out / "capped.yaml"
     write_recipe(recipe, args.artifact, args.gguf, cap_mib, args.context, args.tokens)
-    for tier in ("engine", "llamacpp") if "run" in runs else ():
-        data, peak, status = sampled_json(
-            gemmactl("run", "--recipe", str(recipe), "--tier", tier, "--raw", "--json", "--max-tokens",
-                     str(args.tokens), prompt), args.out / f"run-{tier}.log")
-        result[f"run_{tier}"] = {**run_row(data.get("stats", {}), peak, status),
-                                 "engine": (data.get("model") or {}).get("engine"), "notices": data.get("notices")}
+    def run_tier(tier: str, name: str, *extra: str) -> dict:
+        command = ["run", "--recipe", str(recipe), "--tier", tier, "--raw", "--json", "--max-tokens", str(args.tokens),
+                   *extra, prompt]
+        if tier == "engine" and args.zipf is not None:
+            command = [sys.executable, str(Path(__file__).with_name("skewed_router.py")), "--zipf", str(args.zipf),
+                       "--", *command]
+        else:
+            command = gemmactl(*command)
+        data, peak, status = sampled_json(command, args.out / f"run-{name}.log")
+        return {**run_row(data.get("stats", {}), peak, status), "engine": (data.get("model") or {}).get("engine"),
+                "notices": data.get("notices")}
+
+    for tier in ("engine", "llamacpp"):
+        if "run" in runs or f"run-{tier}" in runs:
+            result[f"run_{tier}"] = run_tier(tier, tier)
+    if "policies" in runs:
+        from gemmactl.runtime.engine.expert_settings import POLICIES
+
+        result["policies"] = {policy: run_tier("engine", f"engine-{policy}", "--expert-policy", policy)
+                              for policy in POLICIES}
+        result["policies"]["off"] = run_tier("engine", "engine-cache-off", "--expert-cache", "off")
 
     if "bench" in runs:
         bench(args, vram, result)
@@ -191,6 +212,22 @@ def main() -> None:
     (args.out / "engine_capped.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     print(table(result))
+    if result.get("policies"):
+        print(policy_table(result))
+
+
+def policy_table(r: dict) -> str:
+    """One row per expert cache policy (and the cache off): what the cache did and what it bought."""
+    rows = [f"| policy ({r['router']}) | cached experts | hit rate | link MB/token | decode tok/s | wall tok/s | "
+            f"peak MiB (cap {r['cap_mib']}) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, row in r["policies"].items():
+        experts = ((row.get("engine") or {}).get("experts")) or {}
+        link = experts.get("link_bytes_per_token")
+        rows.append(f"| {name} | {experts.get('capacity_experts', '-')} | "
+                    f"{'-' if experts.get('hit_rate') is None else format(experts['hit_rate'], '.1%')} | "
+                    f"{'-' if link is None else format(link / 1e6, '.1f')} | {_num(row.get('decode_tok_s'))} | "
+                    f"{_num(row.get('wall_tok_s'))} | {row.get('peak_mib')} |")
+    return "\n".join(rows)
 
 
 def sweep(args, cap_mib: int) -> dict:
@@ -228,6 +265,10 @@ def bench(args, vram: str, result: dict) -> None:
     tg, pp, ngl = bench_tg(proc)
     result["llama_bench"] = {"args": plan_args, "tg_tok_s": tg, "pp_tok_s": pp, "n_gpu_layers": ngl, "peak_mib": peak,
                              "exit": proc.returncode, "predicted_decode_tok_s": plan["predicted"]["decode_tok_s"]}
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _ratio(a, b) -> str:
