@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 
@@ -27,7 +28,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt-words", type=int, default=380)
+    parser.add_argument("--sites", type=int, default=0, metavar="N",
+                        help="also record allocations while loading and name the N sites holding the most")
     args = parser.parse_args()
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the CLI sets it
 
     import torch
 
@@ -62,8 +66,11 @@ def main() -> None:
     stage("context")
     store = Store()
     model = resolve_model(args.artifact, store, accept=(INT4_STREAM,))
+    if args.sites:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
     backend = open_backend(model, store=store, context=args.context, placement=placement_of(chosen, result.plan.profile))
     stage("loaded")
+    sites = allocation_sites(torch, args.sites) if args.sites else None
 
     peak = {"smi": 0, "reserved": 0}
     done = threading.Event()
@@ -89,7 +96,27 @@ def main() -> None:
     backend.close()
     print(json.dumps({"cap_mib": round(result.plan.budget.vram_bytes / MIB), "plan": plan, "stages": stages,
                       "sampled_peak_smi_mib": peak["smi"] / MIB, "sampled_peak_reserved_mib": peak["reserved"] / MIB,
-                      "decode_tok_s": stats.decode_tok_s, "engine": info}, indent=2, default=str))
+                      "decode_tok_s": stats.decode_tok_s, "engine": info, "load_sites": sites}, indent=2, default=str))
+
+
+def allocation_sites(torch, n: int) -> list:
+    """The live blocks after loading, grouped by the innermost gemmactl frame that allocated them:
+    the n sites holding the most, with their bytes and block counts."""
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    sites: dict = {}
+    for segment in snapshot["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] != "active_allocated":
+                continue
+            frames = block.get("frames") or []
+            ours = [f for f in frames if "gemmactl" in f.get("filename", "")]
+            where = f"{ours[0]['filename'].split('gemmactl/')[-1]}:{ours[0]['line']} {ours[0]['name']}" if ours else "?"
+            entry = sites.setdefault(where, {"site": where, "mib": 0.0, "requested_mib": 0.0, "blocks": 0})
+            entry["mib"] += block["size"] / MIB
+            entry["requested_mib"] += block.get("requested_size", block["size"]) / MIB
+            entry["blocks"] += 1
+    return sorted(sites.values(), key=lambda e: -e["mib"])[:n]
 
 
 if __name__ == "__main__":

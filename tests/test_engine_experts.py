@@ -95,7 +95,7 @@ def test_experts_copied_from_an_arena_give_the_same_tokens_and_logits(moe_artifa
                               arena=True)
     engine = _engine(moe_artifact, settings)
     arena = engine.experts.store.arena
-    assert arena is not None and arena.on_device.shape[0] == slots + SCRATCH
+    assert arena is not None and arena.on_device.shape[0] == slots + SCRATCH + engine.experts.top_k
     assert sum(chunk.shape[0] for chunk in arena.chunks) == len(store.records) and len(arena.chunks) > 1
     tokens, logits = engine_greedy(engine, PROMPT, STEPS, chunk=3)
     assert tokens == expected_tokens
@@ -129,6 +129,44 @@ def test_gpu_experts_from_the_arena_decode_like_without(moe_artifact):
         assert (logits.float() - expected_logits.float()).abs().max() <= 1e-2 * expected_logits.float().abs().max()
 
 
+@pytest.mark.parametrize("policy, slots", [("lfu", 0), ("lru", 1), ("lfu", 3), ("hot", "quarter")])
+def test_a_step_staged_for_capture_gives_the_tokens_logits_and_counts_of_the_eager_one(moe_artifact, monkeypatch,
+                                                                                      policy, slots):
+    """What a captured MoE step runs (graph_moe.py), here eagerly with the host's tensors: each
+    layer's chosen experts copied into the arena's staging rows (stage) and summed from there
+    (staged_sum, with no host decision in it). Every decode step's logits bit for bit those of
+    combine() on an engine with the same cache, and the same hits, misses and copies."""
+    monkeypatch.setattr(experts_module, "AGE_EVERY", 7)
+
+    def decode(engine, staged: bool):
+        logits_seen = []
+
+        def experts_of(call):
+            call.block.stage(call.experts)
+            return call.block.staged_sum(call.x, call.weights, call.experts)
+
+        def decoder(token, position):
+            x, per_layer = engine.embed_tokens(token)
+            logits = engine.forward(x, per_layer, torch.tensor([position]), position + 1,
+                                    experts_of=experts_of if staged else None)
+            logits_seen.append(logits.clone())
+            return logits
+
+        tokens, _ = engine_greedy(engine, PROMPT, STEPS, chunk=3, decoder=decoder)
+        return tokens, torch.stack(logits_seen), engine.experts.stats()
+
+    store = _engine(moe_artifact).experts.store
+    room = len(store.records) // 4 if slots == "quarter" else slots
+    settings = ExpertSettings(cache_bytes=room * store.expert_bytes, policy=policy, miss="copy", arena=True)
+    runs = [decode(_engine(moe_artifact, settings), staged) for staged in (False, True)]
+    (tokens, logits, stats), (staged_tokens, staged_logits, staged_stats) = runs
+    assert staged_tokens == tokens
+    assert torch.equal(staged_logits, logits)
+    for key in ("hits", "misses", "copied", "capacity_experts"):
+        assert staged_stats[key] == stats[key], key
+    assert staged_stats["misses"] > 0 and (slots != "quarter" or staged_stats["hits"] > 0)
+
+
 def test_the_forward_hands_each_moe_layers_experts_to_its_caller(moe_artifact):
     """forward(experts_of=...) is where a captured MoE step cuts its graphs: it is called once per
     MoE layer, in order, with the router's choice made, and what it returns is that layer's sum."""
@@ -150,7 +188,7 @@ def test_the_forward_hands_each_moe_layers_experts_to_its_caller(moe_artifact):
     assert all(call.experts.shape == (3, engine.experts.top_k) for call in calls)
 
 
-def test_an_moe_step_is_captured_in_pieces_only_when_asked_on_cuda(monkeypatch):
+def test_an_moe_step_is_captured_in_pieces_on_cuda_unless_turned_off(monkeypatch):
     from types import SimpleNamespace
 
     from gemmactl.runtime.engine.graph import GRAPH_ENV, moe_pieces_wanted
@@ -158,10 +196,16 @@ def test_an_moe_step_is_captured_in_pieces_only_when_asked_on_cuda(monkeypatch):
 
     model = SimpleNamespace(placement=EnginePlacement(("resident",) * 4, tables_on_host=True), experts=object(),
                             device=torch.device("cuda"))
+    model.experts = SimpleNamespace(store=SimpleNamespace(arena=object()))
+    for setting in ("auto", "on"):
+        monkeypatch.setenv(GRAPH_ENV, setting)
+        assert moe_pieces_wanted(model)  # the default on CUDA
+    monkeypatch.setenv(GRAPH_ENV, "off")
+    assert not moe_pieces_wanted(model)
     monkeypatch.setenv(GRAPH_ENV, "auto")
-    assert not moe_pieces_wanted(model)  # not the default until measured on a GPU
-    monkeypatch.setenv(GRAPH_ENV, "on")
-    assert moe_pieces_wanted(model)
+    model.experts.store.arena = None  # captured pieces read the arena's staging rows
+    assert not moe_pieces_wanted(model)
+    model.experts.store.arena = object()
     model.placement = EnginePlacement(("resident", "streamed", "resident", "resident"))
     assert not moe_pieces_wanted(model)
     model.placement, model.device = EnginePlacement(("resident",) * 4), torch.device("cpu")
@@ -170,29 +214,36 @@ def test_an_moe_step_is_captured_in_pieces_only_when_asked_on_cuda(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_moe_step_captured_between_routing_decisions_decodes_like_eager(moe_artifact, monkeypatch):
-    """GEMMACTL_ENGINE_GRAPH=on: the step in graphs between the MoE layers' experts, the experts
-    eager between replays; the tokens of the eager step, and logits within bfloat16 rounding."""
+    """By default on CUDA: the step in graphs cut after each MoE layer's router, the chosen experts
+    copied into the staging rows between replays and computed in the next graph; the tokens of
+    the eager step, and logits within bfloat16 rounding."""
     from gemmactl.runtime.engine.graph import DecodeStep
     from gemmactl.runtime.engine.graph_moe import PiecewiseDecode
     from gemmactl.runtime.engine.model import GemmaModel
 
-    monkeypatch.setenv("GEMMACTL_ENGINE_GRAPH", "on")
-    engine = GemmaModel(moe_artifact, device="cuda", dtype=torch.bfloat16, context=64)
-    expected, expected_logits = engine_greedy(engine, PROMPT, STEPS)  # eager, bounded
-    step = DecodeStep(engine)
-    assert isinstance(step.graph, PiecewiseDecode)
-    assert len(step.graph.graphs) == len(step.graph.calls) + 1 == sum(1 for layer in engine.layers if layer.moe) + 1
-    tokens, _ = engine_greedy(engine, PROMPT, STEPS, decoder=step)
-    assert tokens == expected
-    # One decode step's logits, eager and replayed, after the same prefill.
-    with torch.inference_mode():
-        stepped = []
-        for decoder in (None, step):
-            engine_greedy(engine, PROMPT, 0)
-            token, position = torch.tensor([expected[0]], device="cuda"), len(PROMPT)
-            stepped.append((engine.step(token, torch.tensor([position], device="cuda"), position + 1) if decoder is None
-                            else decoder(token, position)).float().cpu())
-    assert (stepped[1] - stepped[0]).abs().max() <= 1e-2 * stepped[0].abs().max()
+    monkeypatch.setenv("GEMMACTL_ENGINE_GRAPH", "auto")
+    expert_bytes = None
+    for slots in (None, 3, 0):  # every expert cached (copies within the device), a few, none (all over the link)
+        settings = ExpertSettings(cache_bytes=None if slots is None else slots * expert_bytes)
+        engine = GemmaModel(moe_artifact, device="cuda", dtype=torch.bfloat16, context=64, experts=settings)
+        expert_bytes = engine.experts.store.expert_bytes
+        expected, _ = engine_greedy(engine, PROMPT, STEPS)  # eager, bounded
+        step = DecodeStep(engine)
+        assert isinstance(step.graph, PiecewiseDecode)
+        assert len(step.graph.graphs) == len(step.graph.calls) + 1 == sum(1 for layer in engine.layers if layer.moe) + 1
+        tokens, _ = engine_greedy(engine, PROMPT, STEPS, decoder=step)
+        assert tokens == expected, slots
+        stats = engine.experts.stats()
+        assert stats["copied"] == stats["misses"] and (slots != 0 or stats["hits"] == 0)
+        # One decode step's logits, eager and replayed, after the same prefill.
+        with torch.inference_mode():
+            stepped = []
+            for decoder in (None, step):
+                engine_greedy(engine, PROMPT, 0)
+                token, position = torch.tensor([expected[0]], device="cuda"), len(PROMPT)
+                stepped.append((engine.step(token, torch.tensor([position], device="cuda"), position + 1)
+                                if decoder is None else decoder(token, position)).float().cpu())
+        assert (stepped[1] - stepped[0]).abs().max() <= 1e-2 * stepped[0].abs().max(), slots
 
 
 def test_lru_evicts_the_least_recently_used():

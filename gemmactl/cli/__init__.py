@@ -102,4 +102,8 @@ def cli(debug: bool) -> None:
 
 
 def main() -> None:
+    # torch's CUDA allocator maps memory as it grows instead of in rounded segments it keeps: on an
+    # H200 the engine's peak under a cap fell 28 MiB and its blocks lost their 2 MiB rounding
+    # (docs/benchmarks.md). Read when CUDA first allocates; a caller's own setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cli.main()

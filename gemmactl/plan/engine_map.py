@@ -18,7 +18,8 @@ rows cross the link. The predicted decode rate is the sum of those costs and the
 
 MoE experts are not part of a layer's cost: they live in host memory (runtime/engine/experts.py),
 and whatever room the layers leave becomes the expert cache (whole experts, none past the count),
-beside EXPERT_SCRATCH_ROWS experts' room that misses the cache does not keep are copied into.
+beside EXPERT_SCRATCH_ROWS experts' room that misses the cache does not keep are copied into, and
+top_k more for the staging rows of a decode step captured in graphs.
 Experts are sized as the engine holds them: int4 in tinygemm's layout, columns padded.
 """
 
@@ -34,7 +35,7 @@ from gemmactl.sizes import format_size
 CHUNK_TOKENS = 256  # the engine's prefill chunk (runtime/engine/backend.CHUNK)
 LINK_LATENCY_S = 10e-6  # one small host↔device copy
 MARGIN_BYTES = 64 << 20  # allocator rounding and small buffers
-EXPERT_SCRATCH_NOTE = ", the experts' scratch rows"
+EXPERT_SCRATCH_NOTE = ", the experts' scratch and staging rows"
 
 
 @dataclass
@@ -133,9 +134,13 @@ def _count(shape) -> int:
     return n
 
 
-def _work_bytes(spec) -> int:
-    """Prefill activations of one chunk (the widest MLP, three live copies) and the logits."""
-    return CHUNK_TOKENS * spec.hidden * 2 * 8 + CHUNK_TOKENS * 4 * spec.hidden * 2 * 3 * 2 + spec.vocab * 4 * 2
+def _work_bytes(spec, context: int) -> int:
+    """Prefill activations of one chunk (the widest MLP, three live copies), the logits, and the
+    chunk's attention scores against a full cache: bfloat16 scores, their masked copy and the
+    float32 softmax, 8 bytes a score (runtime/engine/model._scores). The scores are what grows
+    with the context: 64 MiB for an E4B shape at 4096, which its first plans left out."""
+    scores = CHUNK_TOKENS * max((layer.heads for layer in spec.layers), default=0) * context * 8
+    return CHUNK_TOKENS * spec.hidden * 2 * 8 + CHUNK_TOKENS * 4 * spec.hidden * 2 * 3 * 2 + spec.vocab * 4 * 2 + scores
 
 
 def longest_context(artifact: Path, profile, vram_bytes: int, kv_mode: str | None = None, step: int = 256,
@@ -223,11 +228,16 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
     costs, globals_, tables = _costs(index, spec, context, kv_mode, spare_slots)
     experts = tables.pop("experts")
     gpu_bw, link, cpu_bw = profile.gpu_bandwidth, profile.host_to_device, profile.cpu_bandwidth
-    fixed = {"reserve": profile.gpu_reserve_bytes, "globals": sum(globals_.values()), "work": _work_bytes(spec) + MARGIN_BYTES}
+    fixed = {"reserve": profile.gpu_reserve_bytes, "globals": sum(globals_.values()),
+             "work": _work_bytes(spec, context) + MARGIN_BYTES}
     if draft_bytes:
         fixed["draft"] = draft_bytes
-    if experts:  # the rows misses the cache does not keep are copied into (runtime/engine/expert_arena.py)
-        fixed["expert_scratch"] = EXPERT_SCRATCH_ROWS * max(device for device, _, _ in experts.values())
+    if experts:  # the rows misses the cache does not keep are copied into, and the captured step's
+        # staging rows, one per expert a token reads (runtime/engine/expert_arena.py)
+        from gemmactl.runtime.engine.spec import hf_text_config
+
+        rows = EXPERT_SCRATCH_ROWS + int(hf_text_config(index.get("config") or {}).top_k_experts)
+        fixed["expert_scratch"] = rows * max(device for device, _, _ in experts.values())
     kv_all = sum(c.kv_bytes for c in costs)
     table_bytes = sum(tables.values())
 

@@ -12,7 +12,11 @@ while the experts before them compute. A slot is not refilled before the compute
 has run (an event recorded after each use).
 
 `SCRATCH` extra rows serve misses the cache does not keep (the cache off, or every slot held by
-the layer's own experts), in turn.
+the layer's own experts), in turn. `staging` rows (top_k of them) serve a decode step captured in
+CUDA graphs (runtime/engine/graph_moe.py): a graph cannot follow an expert from row to row, so
+before each MoE layer's graph the host copies the token's experts into the same rows, in ascending
+order, and the graph computes them there. A hit is a copy within the device (about 2 µs for a
+26B-A4B expert on an H200; on a 4 GB card's 200 GB/s about 35 µs), a miss a copy over the link.
 
 On a machine without a GPU the arena is off by default (the host stands in for the device, and a
 copy of a row would be the same memory twice); tests turn it on there to check its layout, slots
@@ -47,7 +51,7 @@ class ExpertArena:
     """Every expert of a store in pinned host rows in the device layout; device rows for the cache's
     slots and the scratch rows; the copies between them, ordered by events on CUDA."""
 
-    def __init__(self, store, capacity: int):
+    def __init__(self, store, capacity: int, staging: int = 0):
         self.store, self.device = store, store.device
         self.cuda = self.device.type == "cuda"
         keys = sorted(store.records)
@@ -60,12 +64,16 @@ class ExpertArena:
                                    pin_memory=self.cuda) for start in range(0, len(keys), self.per_chunk)]
         for key, row in self.rows.items():  # expert by expert: never the whole model's codes at once
             self._write(row, template if row == 0 else store.linears(key, self.device))
-        self.capacity = capacity
-        self.on_device = torch.empty((capacity + SCRATCH, self.row_bytes), dtype=torch.uint8, device=self.device)
-        self.views = [self._linears(self.on_device[i]) for i in range(capacity + SCRATCH)]
+        self.capacity, self.staging = capacity, capacity + SCRATCH  # the first staging row
+        rows = capacity + SCRATCH + staging
+        self.on_device = torch.empty((rows, self.row_bytes), dtype=torch.uint8, device=self.device)
+        self.views = [self._linears(self.on_device[i]) for i in range(rows)]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.ready: list = [None] * (capacity + SCRATCH)  # the copy into the row, not yet waited for
-        self.freed: list = [None] * (capacity + SCRATCH)  # after the last compute that read the row
+        self.ready: list = [None] * rows  # the copy into the row, not yet waited for
+        self.freed: list = [None] * rows  # after the last compute that read the row
+        self.staging_freed = None  # after the last captured piece that read the staging rows
+        self.device_rows = [self.on_device[i] for i in range(rows)]
+        self.host_rows = [self.host_row(i) for i in range(len(keys))]
         self._scratch = 0
         if self.cuda:
             torch.cuda.empty_cache()  # the layout work's temporaries: the arena's rows are all it keeps
@@ -117,6 +125,45 @@ class ExpertArena:
             done = torch.cuda.Event()
             done.record(self.stream)
         self.ready[row] = done
+
+    def staged(self, j: int) -> tuple:
+        """The Linears viewing staging row j (what a captured step computes; see move)."""
+        return self.views[self.staging + j]
+
+    def move(self, moves: list) -> None:
+        """A captured step's copies for one MoE layer, in order, in one go: (source, row) pairs, a
+        source being an expert's key (its host row, over the link) or a device row. Then the
+        compute stream waits for all of them. No event per copy: the host runs this between two
+        graphs, for every MoE layer of every token, so its cost is the step's (one stream switch,
+        the waits a row needs, one event)."""
+        rows = self.device_rows
+        if not self.cuda:
+            for source, row in moves:
+                rows[row].copy_(self.host_rows[self.rows[source]] if isinstance(source, tuple) else rows[source])
+            return
+        with torch.cuda.stream(self.stream):
+            if self.staging_freed is not None:  # the last graph that read the staging rows
+                self.stream.wait_event(self.staging_freed)
+            for source, row in moves:
+                if self.freed[row] is not None:  # a cache slot an eager step read
+                    self.stream.wait_event(self.freed[row])
+                    self.freed[row] = None
+                rows[row].copy_(self.host_rows[self.rows[source]] if isinstance(source, tuple) else rows[source],
+                                non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        for _, row in moves:
+            if row < self.staging:  # a cache slot: an eager step reading it waits for this
+                self.ready[row] = done
+        torch.cuda.current_stream(self.device).wait_event(done)
+
+    def release_staging(self) -> None:
+        """Mark the staging rows' readers so far (a captured piece just launched): the next copies
+        into them wait for it."""
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self.staging_freed = done
 
     def linears(self, row: int) -> tuple:
         """The Linears viewing device row, once its copy has landed (the compute stream waits for it)."""

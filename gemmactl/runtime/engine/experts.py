@@ -382,6 +382,43 @@ class MoEBlock:
                 arena.release(source)
         return out
 
+    def stage(self, experts: torch.Tensor) -> None:
+        """For one token's step captured in graphs (runtime/engine/graph_moe.py): copy the experts
+        the router chose (experts [1, k]) into the arena's staging rows, in ascending order, for
+        staged_sum to read. The cache is looked up and filled as combine() does: a hit is copied
+        from its slot, a miss crosses the link into its staging row and, where the cache keeps it,
+        on into its slot. Every miss is copied (the captured step has no host compute)."""
+        store, cache, counters, arena = self.store, self.cache, self.counters, self.store.arena
+        order = sorted(experts[0].tolist())  # waits for the router: the copies depend on its choice
+        held = {(self.layer, expert) for expert in order}
+        counters.tokens += 1
+        moves = []
+        for j, expert in enumerate(order):
+            key, row = (self.layer, expert), arena.staging + j
+            slot = self._lookup(key)
+            if slot is not None:
+                moves.append((slot, row))
+                continue
+            counters.copied += 1
+            counters.copied_bytes += store.stored_bytes
+            moves.append((key, row))
+            slot, _ = cache.admit(key, keep=held)
+            if slot is not None:
+                moves.append((row, slot))
+        arena.move(moves)
+
+    def staged_sum(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The experts' sum for one token x [1, H] from the staging rows stage() filled, with no
+        host decision in it (so it can be captured): the same products, added in the same
+        ascending order, as combine() computes."""
+        arena = self.store.arena
+        ranked = weights[:, torch.argsort(experts[0])]  # [1, k]: staging row j's weight
+        out = torch.zeros_like(x)
+        for j in range(self.top_k):
+            y = expert_forward(arena.staged(j), x)
+            out.add_((y * ranked[:, j:j + 1]).to(out.dtype))
+        return out
+
     def _run(self, key, x: torch.Tensor) -> torch.Tensor:
         store, counters = self.store, self.counters
         slot = self._lookup(key)
@@ -420,15 +457,15 @@ class MoEExperts:
         else:
             capacity = min(total, settings.cache_bytes // max(self.store.expert_bytes, 1))
         self.cache = ExpertCache(capacity, settings.policy)
+        self.top_k = int(hf_text_config(artifact.config).top_k_experts)
         if settings.arena if settings.arena is not None else self.store.device.type == "cuda":
             from gemmactl.runtime.engine.expert_arena import ExpertArena
 
-            self.store.arena = ExpertArena(self.store, capacity)
+            self.store.arena = ExpertArena(self.store, capacity, staging=self.top_k)
         self.counters = ExpertCounters()
         self.rule = settings.rule if isinstance(settings.rule, MissRule) else MissRule()
         if settings.miss:
             self.rule = MissRule(self.rule.link_bytes_s, self.rule.host_bytes_s, self.rule.host_latency_s, settings.miss)
-        self.top_k = int(hf_text_config(artifact.config).top_k_experts)
         self.prefetch, self._prefetched, self.blocks = settings.prefetch, set(), []
         self.eps, self.hidden = model.spec.eps, model.spec.hidden
 

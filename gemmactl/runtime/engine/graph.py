@@ -30,11 +30,12 @@ GRAPH_ENV = "GEMMACTL_ENGINE_GRAPH"  # auto (on for CUDA) | on (forced, also off
 
 
 def moe_pieces_wanted(model) -> bool:
-    """Whether to capture an MoE model's step between its routing decisions (graph_moe.py): only
-    when GRAPH_ENV is on, on CUDA, with every layer resident (not yet measured on a GPU)."""
+    """Whether to capture an MoE model's step between its routing decisions (graph_moe.py): on
+    CUDA unless GRAPH_ENV is off, with every layer resident and the experts in an arena."""
     placement = model.placement
-    return (model.experts is not None and os.environ.get(GRAPH_ENV, "auto").lower() == "on"
-            and model.device.type == "cuda" and all(kind == RESIDENT for kind in placement.layers))
+    return (model.experts is not None and os.environ.get(GRAPH_ENV, "auto").lower() not in ("off", "0", "false")
+            and model.device.type == "cuda" and all(kind == RESIDENT for kind in placement.layers)
+            and model.experts.store.arena is not None)
 
 
 def wanted(env: str, model) -> bool:

@@ -2,18 +2,21 @@
 decisions.
 
 Which experts a token runs, and whether each is cached, is decided on the host, so an MoE step
-cannot be one graph. Eager, though, its dense part pays the host's launches: on an H200 an eager
-step cost about 2.4 ms a layer (docs/benchmarks.md), which held a 26B-A4B-shaped model near
-9 tok/s. Here the step is cut at each MoE layer's experts: graph i runs from the previous layer's
-experts' sum to this layer's router (attention, the dense MLP, the router's top-k), then the host
-reads the router's choice and launches the experts eagerly (runtime/engine/experts.py, copies from
-the arena included), and their sum enters graph i+1 through a static buffer. The graphs share one
-memory pool and are replayed in the order they were captured, as torch requires for sharing.
+cannot be one graph. Eager, its dense part and its experts pay the host's launches: on an H200 an
+eager step of a 26B-A4B-shaped model ran 9.4 tok/s, and with only the dense parts captured (the
+experts eager between the graphs) 20.1, its 240 experts a token still launched one by one
+(docs/benchmarks.md). Here the step is cut after each MoE layer's router: graph i runs from the
+previous layer's experts (their sum included) to this layer's router and top-k; then the host
+reads the router's choice and copies the chosen experts into the arena's staging rows
+(MoEBlock.stage: from their cache slots, or over the link on a miss), and graph i+1 begins by
+computing them there (MoEBlock.staged_sum). Between two graphs the host does one read of k
+integers and k copies. The graphs share one memory pool and are replayed in the order they were
+captured, as torch requires for sharing.
 
 Captured the way graph.DecodeStep captures a dense step: static token and position, the rows of
 the embedding tables gathered outside the graphs, every cache slot read with the unwritten ones
-masked. Only where every layer is resident on the GPU; asked for with GEMMACTL_ENGINE_GRAPH=on
-(not the default for MoE models until it has been measured on a GPU).
+masked. Only where every layer is resident on the GPU and the experts live in an arena (the
+default on CUDA; graph.moe_pieces_wanted).
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ class PiecewiseDecode:
             self.x, self.per_layer = model.embed_tokens(self.token)  # the graphs' static inputs
         self.graphs: list = []
         self.calls: list = []  # the ExpertCall each graph but the last ends with (its static tensors)
-        self.sums: list = []  # where the experts' sum of each call enters the next graph
         self._capture()
 
     def _capture(self) -> None:
@@ -60,12 +62,11 @@ class PiecewiseDecode:
         def end() -> None:
             open_capture.pop().__exit__(None, None, None)
 
-        def cut(call):  # an MoE layer's experts: end this graph, start the next from their sum
+        def cut(call):  # an MoE layer's router has chosen: end this graph, begin the next with its experts
             end()
             self.calls.append(call)
-            self.sums.append(torch.empty_like(call.x))  # outside any capture: a buffer of its own
             begin()
-            return self.sums[-1]
+            return call.block.staged_sum(call.x, call.weights, call.experts)
 
         with torch.inference_mode():
             begin()
@@ -88,6 +89,7 @@ class PiecewiseDecode:
         """Logits [V] after token (a 0-dim or [1] tensor on the device) at position."""
         self.token.copy_(token.reshape(1))
         self.position.fill_(position)
+        arena = self.model.experts.store.arena
         with torch.inference_mode():
             x, per_layer = self.model.embed_tokens(self.token)
             self.x.copy_(x)
@@ -95,6 +97,9 @@ class PiecewiseDecode:
                 self.per_layer.copy_(per_layer)
             for i, graph in enumerate(self.graphs):
                 graph.replay()
+                if i:
+                    arena.release_staging()  # graph i read the staging rows
                 if i < len(self.calls):
-                    self.sums[i].copy_(self.calls[i].run())
+                    call = self.calls[i]
+                    call.block.stage(call.experts)
         return self.logits
