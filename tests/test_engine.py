@@ -122,6 +122,29 @@ def test_every_placement_decodes_the_same_tokens(artifacts, kind):
         assert torch.equal(other_logits, logits), name
 
 
+@pytest.mark.parametrize("kind", ["e2b-tiny", "gemma3-tiny"])
+def test_attention_in_blocks_of_query_rows_equals_one_block(artifacts, kind, monkeypatch):
+    """A prefill chunk's attention takes its query rows in blocks whose scores stay under a bound
+    (spec.score_rows), so long contexts do not hold a chunk × context score matrix at once: here
+    a bound of a few rows, against the whole chunk at once, gives the same tokens and logits."""
+    from gemmactl.runtime.engine import spec as spec_module
+    from gemmactl.runtime.engine.model import GemmaModel
+
+    artifact = artifacts(kind)
+    engine = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64)
+    expected = engine_greedy(engine, PROMPT, STEPS)
+    heads = max(layer.heads for layer in engine.spec.layers)
+    monkeypatch.setattr(spec_module, "SCORES_BLOCK_BYTES", 3 * heads * len(PROMPT) * spec_module.SCORE_BYTES)
+    assert spec_module.score_rows(heads, len(PROMPT)) == 3 < len(PROMPT)  # the prefill's rows in blocks of 3
+    blocks = []
+    attend = GemmaModel._attend
+    monkeypatch.setattr(GemmaModel, "_attend", lambda self, *a: blocks.append(a[1].shape[0]) or attend(self, *a))
+    tokens, logits = engine_greedy(engine, PROMPT, STEPS)
+    assert max(blocks) <= 3 and blocks.count(3) >= len(engine.spec.layers)
+    assert tokens == expected[0]
+    assert torch.allclose(logits, expected[1], rtol=1e-5, atol=1e-5)
+
+
 def test_chunked_prefill_equals_one_pass(artifacts):
     from gemmactl.runtime.engine.model import GemmaModel
 

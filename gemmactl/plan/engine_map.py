@@ -34,7 +34,9 @@ from gemmactl.sizes import format_size
 
 CHUNK_TOKENS = 256  # the engine's prefill chunk (runtime/engine/backend.CHUNK)
 LINK_LATENCY_S = 10e-6  # one small host↔device copy
-MARGIN_BYTES = 64 << 20  # allocator rounding and small buffers
+# Small buffers (the rope tables: 12 MiB for E4B at 4096) and the freed blocks torch's allocator
+# keeps for reuse (61 MiB at the E4B engine's peak, expandable segments on; benchmarks/engine_memory.py).
+MARGIN_BYTES = 128 << 20
 EXPERT_SCRATCH_NOTE = ", the experts' scratch and staging rows"
 
 
@@ -136,10 +138,13 @@ def _count(shape) -> int:
 
 def _work_bytes(spec, context: int) -> int:
     """Prefill activations of one chunk (the widest MLP, three live copies), the logits, and the
-    chunk's attention scores against a full cache: bfloat16 scores, their masked copy and the
-    float32 softmax, 8 bytes a score (runtime/engine/model._scores). The scores are what grows
-    with the context: 64 MiB for an E4B shape at 4096, which its first plans left out."""
-    scores = CHUNK_TOKENS * max((layer.heads for layer in spec.layers), default=0) * context * 8
+    chunk's attention scores against a full cache, taken in blocks of query rows (8 bytes a
+    score: bfloat16 scores, their masked copy, the float32 softmax; runtime/engine/spec.score_rows).
+    The scores were left out of the first plans: 64 MiB for an E4B shape at 4096, unblocked."""
+    from gemmactl.runtime.engine.spec import SCORE_BYTES, score_rows
+
+    heads = max((layer.heads for layer in spec.layers), default=0)
+    scores = min(CHUNK_TOKENS, score_rows(heads, context)) * heads * context * SCORE_BYTES
     return CHUNK_TOKENS * spec.hidden * 2 * 8 + CHUNK_TOKENS * 4 * spec.hidden * 2 * 3 * 2 + spec.vocab * 4 * 2 + scores
 
 

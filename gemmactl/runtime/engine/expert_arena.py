@@ -15,8 +15,8 @@ has run (an event recorded after each use).
 the layer's own experts), in turn. `staging` rows (top_k of them) serve a decode step captured in
 CUDA graphs (runtime/engine/graph_moe.py): a graph cannot follow an expert from row to row, so
 before each MoE layer's graph the host copies the token's experts into the same rows, in ascending
-order, and the graph computes them there. A hit is a copy within the device (about 2 µs for a
-26B-A4B expert on an H200; on a 4 GB card's 200 GB/s about 35 µs), a miss a copy over the link.
+order, and the graph computes them there. A hit is a copy within the device (by bandwidth, about
+2 µs for a 26B-A4B expert on an H200, 35 µs at a 4 GB card's 200 GB/s), a miss a copy over the link.
 
 On a machine without a GPU the arena is off by default (the host stands in for the device, and a
 copy of a row would be the same memory twice); tests turn it on there to check its layout, slots
@@ -49,7 +49,7 @@ def _layout(linears: tuple) -> tuple[list, int]:
 
 class ExpertArena:
     """Every expert of a store in pinned host rows in the device layout; device rows for the cache's
-    slots and the scratch rows; the copies between them, ordered by events on CUDA."""
+    slots, the scratch rows and the staging rows; the copies between them, ordered by events on CUDA."""
 
     def __init__(self, store, capacity: int, staging: int = 0):
         self.store, self.device = store, store.device

@@ -3,7 +3,7 @@ decisions.
 
 Which experts a token runs, and whether each is cached, is decided on the host, so an MoE step
 cannot be one graph. Eager, its dense part and its experts pay the host's launches: on an H200 an
-eager step of a 26B-A4B-shaped model ran 9.4 tok/s, and with only the dense parts captured (the
+eager step of a 26B-A4B-shaped model ran 6.4–9.4 tok/s, and with only the dense parts captured (the
 experts eager between the graphs) 20.1, its 240 experts a token still launched one by one
 (docs/benchmarks.md). Here the step is cut after each MoE layer's router: graph i runs from the
 previous layer's experts (their sum included) to this layer's router and top-k; then the host

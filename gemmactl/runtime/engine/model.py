@@ -25,7 +25,7 @@ from gemmactl.runtime.engine.kv import KVCache, make_cache
 from gemmactl.runtime.engine.ops import rms_norm
 from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
 from gemmactl.runtime.engine.streaming import LayerStreamer, StagedLayer
-from gemmactl.runtime.engine.spec import SLIDING, LayerSpec, ModelSpec, model_spec, rope_tables
+from gemmactl.runtime.engine.spec import SLIDING, LayerSpec, ModelSpec, model_spec, rope_tables, score_rows
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -375,12 +375,27 @@ class GemmaModel:
     def _scores(self, layer: Layer, q, k, v, key_positions, positions, rotation=None, offset=None) -> torch.Tensor:
         """softmax(q kᵀ · scale + mask) v for q [T, N, D] over k, v [S, K, D]; returns [T, N·D] projected.
         rotation: R when the cache holds keys and values turned by it (kv.py): q is turned the same
-        way, and the output turned back. offset [K, D]: the values' centre, added back."""
-        s, spec = layer.spec, self.spec
-        t, groups = q.shape[0], s.heads // s.kv_heads
+        way, and the output turned back. offset [K, D]: the values' centre, added back. The query
+        rows go in blocks (spec.score_rows), so the scores held at once stay bounded."""
+        s, t = layer.spec, q.shape[0]
         if rotation is not None:
             q = q @ rotation
-        qg = q.view(t, s.kv_heads, groups, s.head_dim)  # [T, K, g, D]
+        rows = score_rows(s.heads, k.shape[0])
+        if rows >= t:
+            out = self._attend(s, q, k, v, key_positions, positions)
+        else:
+            out = torch.cat([self._attend(s, q[i:i + rows], k, v, key_positions, positions[i:i + rows])
+                             for i in range(0, t, rows)])
+        if offset is not None:
+            out = out + offset[None, :, None, :]
+        if rotation is not None:
+            out = out @ rotation.T
+        return layer.attn.o(out.reshape(t, s.heads * s.head_dim))  # [T, N·D] projected
+
+    def _attend(self, s, q, k, v, key_positions, positions) -> torch.Tensor:
+        """[T, K, g, D]: the attention of query rows q [T, N, D] at positions [T] over the keys."""
+        spec, t, groups = self.spec, q.shape[0], s.heads // s.kv_heads
+        qg = q.reshape(t, s.kv_heads, groups, s.head_dim)  # [T, K, g, D]
         scores = torch.einsum("tkgd,skd->tkgs", qg, k) * spec.query_scale  # [T, K, g, S]
         if spec.attn_softcap:
             scores = torch.tanh(scores / spec.attn_softcap) * spec.attn_softcap
@@ -390,12 +405,7 @@ class GemmaModel:
             seen &= key_positions[None, :] > positions[:, None] - spec.window
         scores = scores.masked_fill(~seen[:, None, None, :], torch.finfo(scores.dtype).min)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.einsum("tkgs,skd->tkgd", weights, v)  # [T, K, g, D]
-        if offset is not None:
-            out = out + offset[None, :, None, :]
-        if rotation is not None:
-            out = out @ rotation.T
-        return layer.attn.o(out.reshape(t, s.heads * s.head_dim))  # [T, N·D] projected
+        return torch.einsum("tkgs,skd->tkgd", weights, v)  # [T, K, g, D]
 
     def memory(self) -> dict:
         """Bytes by place: weights on the device and in host memory, the staging areas, KV caches,

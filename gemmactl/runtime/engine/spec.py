@@ -20,6 +20,19 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 FAMILIES = {"gemma3": "gemma3", "gemma3_text": "gemma3", "gemma4": "gemma4", "gemma4_text": "gemma4"}
 
 
+# Attention materializes its scores: bfloat16 scores, their masked copy and the float32 softmax,
+# 8 bytes a score. A prefill chunk's query rows are taken in blocks whose scores stay under
+# SCORES_BLOCK_BYTES, so the working area does not grow with the context (a 256-token chunk of
+# an E4B shape against a 32K cache would hold 512 MiB of scores at once).
+SCORE_BYTES = 8
+SCORES_BLOCK_BYTES = 32 << 20
+
+
+def score_rows(heads: int, slots: int) -> int:
+    """How many query rows attention takes at once against slots keys with heads heads."""
+    return max(1, SCORES_BLOCK_BYTES // max(heads * slots * SCORE_BYTES, 1))
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     index: int
