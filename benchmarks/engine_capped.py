@@ -198,8 +198,7 @@ def main() -> None:
     if "sweep" in runs:
         result["n_cpu_moe_sweep"] = sweep(args, cap_mib)
     if "fit" in runs:
-        proc, peak = run_sampled([args.bench, "-m", args.gguf, "-p", "512", "-n", str(args.tokens), "-r", "1", "-o",
-                                  "json", "-fitt", str(max(0, _smi_mib("total") - cap_mib))], args.out / "llama-fit.log")
+        proc, peak = llama_bench(args, "llama-fit.log", "-fitt", str(max(0, _smi_mib("total") - cap_mib)))
         tg, pp, ngl = bench_tg(proc)
         result["llama_fit"] = {"tg_tok_s": tg, "pp_tok_s": pp, "n_gpu_layers": ngl, "peak_mib": peak,
                                "fits": peak <= cap_mib, "exit": proc.returncode}
@@ -230,6 +229,13 @@ def policy_table(r: dict) -> str:
     return "\n".join(rows)
 
 
+def llama_bench(args, log: str, *extra: str, repeats: int = 1):
+    """llama-bench on the GGUF (pp512 and tg of --tokens, JSON out) under the memory sampler:
+    (the finished process, its peak MiB)."""
+    return run_sampled([args.bench, "-m", args.gguf, "-p", "512", "-n", str(args.tokens), "-r", str(repeats), "-o",
+                        "json", *extra], args.out / log)
+
+
 def sweep(args, cap_mib: int) -> dict:
     """llama-bench with every layer on the GPU and the experts of n layers on the CPU, n from all
     of them down in steps of 2 until a point's peak overruns the cap (fewer on the CPU only needs
@@ -239,8 +245,7 @@ def sweep(args, cap_mib: int) -> dict:
     layers = int(read_gguf_header(Path(args.gguf), tensors=False).arch_key("block_count"))
     points = []
     for n in range(layers, -1, -2):
-        proc, peak = run_sampled([args.bench, "-m", args.gguf, "-p", "512", "-n", str(args.tokens), "-r", "1", "-o",
-                                  "json", "-ngl", "99", "-ncmoe", str(n)], args.out / f"llama-ncmoe-{n}.log")
+        proc, peak = llama_bench(args, f"llama-ncmoe-{n}.log", "-ngl", "99", "-ncmoe", str(n))
         tg, pp, _ = bench_tg(proc)
         points.append({"n_cpu_moe": n, "tg_tok_s": tg, "pp_tok_s": pp, "peak_mib": peak, "fits": peak <= cap_mib,
                        "exit": proc.returncode})
@@ -260,8 +265,7 @@ def bench(args, vram: str, result: dict) -> None:
     plan_args = ["-ngl", str(plan["llama_cpp_args"]["-ngl"])]
     if plan["llama_cpp_args"]["-ot"]:
         plan_args += ["-ot", ";".join(plan["llama_cpp_args"]["-ot"])]
-    proc, peak = run_sampled([args.bench, "-m", args.gguf, "-p", "512", "-n", str(args.tokens), "-r", "3", "-o", "json",
-                              *plan_args], args.out / "llama-bench.log")
+    proc, peak = llama_bench(args, "llama-bench.log", *plan_args, repeats=3)
     tg, pp, ngl = bench_tg(proc)
     result["llama_bench"] = {"args": plan_args, "tg_tok_s": tg, "pp_tok_s": pp, "n_gpu_layers": ngl, "peak_mib": peak,
                              "exit": proc.returncode, "predicted_decode_tok_s": plan["predicted"]["decode_tok_s"]}

@@ -36,13 +36,11 @@ def install(zipf: float, seed: int = 0) -> None:
     from gemmactl.runtime.engine import experts
 
     build = experts.MoEExperts.block
-    count = {}
 
     def block(self, layer: int, router: dict):
-        if "experts" not in count:
-            count["experts"] = 1 + max(expert for _, expert in self.store.records)
+        count = sum(1 for at, _ in self.store.records if at == layer)  # the layer's experts
         generator = torch.Generator().manual_seed(seed * 100_003 + layer)
-        ranks = torch.randperm(count["experts"], generator=generator).add_(1).double()
+        ranks = torch.randperm(count, generator=generator).add_(1).double()
         bias = (-zipf * ranks.log()).float().to(router["scale"].device)
         proj = router["proj"]
 

@@ -237,12 +237,13 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
              "work": _work_bytes(spec, context) + MARGIN_BYTES}
     if draft_bytes:
         fixed["draft"] = draft_bytes
+    top_k = 0
     if experts:  # the rows misses the cache does not keep are copied into, and the captured step's
         # staging rows, one per expert a token reads (runtime/engine/expert_arena.py)
         from gemmactl.runtime.engine.spec import hf_text_config
 
-        rows = EXPERT_SCRATCH_ROWS + int(hf_text_config(index.get("config") or {}).top_k_experts)
-        fixed["expert_scratch"] = rows * max(device for device, _, _ in experts.values())
+        top_k = int(hf_text_config(index.get("config") or {}).top_k_experts)
+        fixed["expert_scratch"] = (EXPERT_SCRATCH_ROWS + top_k) * max(device for device, _, _ in experts.values())
     kv_all = sum(c.kv_bytes for c in costs)
     table_bytes = sum(tables.values())
 
@@ -272,7 +273,7 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
                                            table_bytes if tables_on_host else 0, _row_bytes(index) if tables_on_host else 0,
                                            rate, minimum, f"engine plan: every layer on the GPU, tables {where} "
                                            f"({format_size(need)} of {format_size(vram_bytes)})"),
-                                 experts, vram_bytes, profile, index)
+                                 experts, vram_bytes, profile, top_k)
     if minimum > vram_bytes:
         draft = f", the draft's {format_size(draft_bytes)}" if draft_bytes else ""
         raise BudgetTooSmallError(
@@ -310,10 +311,10 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
     reason = (f"engine plan: {counts['resident']} layers on the GPU, {counts['streamed']} streamed, {counts['host']} on the CPU, "
               f"tables in host memory ({format_size(sum(gpu.values()))} of {format_size(vram_bytes)})")
     return _with_experts(EngineMap(layers, True, gpu, host, link_bytes, 1.0 / seconds, minimum, reason), experts,
-                         vram_bytes, profile, index)
+                         vram_bytes, profile, top_k)
 
 
-def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, index: dict) -> EngineMap:
+def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, top_k: int) -> EngineMap:
     """The room the layers left, as whole cached experts, and what the experts add to a token's
     time (MoE models; the map unchanged otherwise). Every expert stays in host memory as stored.
 
@@ -322,8 +323,6 @@ def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, in
     in each MoE layer: from the cache at GPU bandwidth, or on a miss copied over the link or
     computed on the CPU, whichever is cheaper (runtime/engine/experts.MissRule).
     """
-    from gemmactl.runtime.engine.spec import hf_text_config
-
     if not experts:
         return chosen
     one = max(device for device, _, _ in experts.values())
@@ -334,7 +333,7 @@ def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, in
     chosen.gpu_bytes["experts"] = slots * one
     chosen.host_bytes += sum(s for _, s, _ in experts.values())
     chosen.expert_cache_bytes, chosen.expert_bytes, chosen.experts = slots * one, one, len(experts)
-    reads = int(hf_text_config(index.get("config") or {}).top_k_experts) * len({layer for layer, _ in experts})
+    reads = top_k * len({layer for layer, _ in experts})
     hit = slots / len(experts)
     copy_s, host_s = stored / profile.host_to_device, 2 * dense / profile.cpu_bandwidth
     per_token = reads * (hit * one / profile.gpu_bandwidth + (1 - hit) * min(copy_s, host_s))
