@@ -137,6 +137,8 @@ def main() -> None:
     parser.add_argument("--runs", default="verify,run,bench,accelerate",
                         help="which runs, comma-separated (run: `gemmactl run` on both back ends; run-engine, "
                              "run-llamacpp: on one)")
+    parser.add_argument("--policies", help="with --runs policies: which of them, comma-separated (default: "
+                                           "lru,lfu,hot,off; off is the cache turned off)")
     parser.add_argument("--zipf", type=float, help="skew the engine's MoE routers: Zipf S over each layer's experts")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -189,9 +191,11 @@ def main() -> None:
     if "policies" in runs:
         from gemmactl.runtime.engine.expert_settings import POLICIES
 
+        wanted = args.policies.split(",") if args.policies else [*POLICIES, "off"]
         result["policies"] = {policy: run_tier("engine", f"engine-{policy}", "--expert-policy", policy)
-                              for policy in POLICIES}
-        result["policies"]["off"] = run_tier("engine", "engine-cache-off", "--expert-cache", "off")
+                              for policy in POLICIES if policy in wanted}
+        if "off" in wanted:
+            result["policies"]["off"] = run_tier("engine", "engine-cache-off", "--expert-cache", "off")
 
     if "bench" in runs:
         bench(args, vram, result)

@@ -108,9 +108,11 @@ def test_experts_copied_from_an_arena_give_the_same_tokens_and_logits(moe_artifa
 
 @pytest.mark.gpu
 def test_gpu_experts_from_the_arena_decode_like_without(moe_artifact):
-    """On CUDA (bfloat16, tinygemm with the experts' columns padded): the arena's asynchronous
-    copies and their events give the tokens of the engine that makes each expert when it misses,
-    with the cache off, small and whole; a copy read before it landed would not."""
+    """On CUDA (bfloat16; the experts as stored, in the Triton kernels, or where Triton is missing in
+    tinygemm with their columns padded): the arena's asynchronous copies and their events give the
+    tokens of the engine that makes each expert when it misses, with the cache off, small and
+    whole; a copy read before it landed would not."""
+    from gemmactl.runtime.engine.kernels import int4_groups_kept
     from gemmactl.runtime.engine.model import GemmaModel
 
     def greedy(settings):
@@ -121,7 +123,7 @@ def test_gpu_experts_from_the_arena_decode_like_without(moe_artifact):
     assert reference.experts.store.arena is None
     store = reference.experts.store
     kernels = {type(linear).__name__ for linear in store.linears(next(iter(store.records)), torch.device("cuda"))}
-    assert kernels == {"Int4Linear"}  # padded, not dense
+    assert kernels == {"Int4GroupsLinear" if int4_groups_kept(expert=True) else "Int4Linear"}  # not dense
     for slots in (0, 3, len(store.records)):
         (tokens, logits), engine = greedy(ExpertSettings(cache_bytes=slots * store.expert_bytes))
         assert engine.experts.store.arena is not None  # the default on CUDA
@@ -213,28 +215,41 @@ def test_an_moe_step_is_captured_in_pieces_on_cuda_unless_turned_off(monkeypatch
 
 
 @pytest.mark.gpu
-def test_gpu_moe_step_captured_between_routing_decisions_decodes_like_eager(moe_artifact, monkeypatch):
-    """By default on CUDA: the step in graphs cut after each MoE layer's router, the chosen experts
-    copied into the staging rows between replays and computed in the next graph; the tokens of
-    the eager step, and logits within bfloat16 rounding."""
+@pytest.mark.parametrize("mode", ["table", "pieces"])
+def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mode):
+    """On CUDA, by default: the whole step in one graph, each chosen expert read where a device table
+    says it lies (a cache slot, or its pinned host row over the link), the cache kept by the host
+    after each token (graph_moe.TableDecode); or (pieces) graphs cut after each MoE layer's
+    router, the chosen experts copied into staging rows between replays. The tokens of the eager
+    step with the cache whole, small and off, and logits within bfloat16 rounding."""
     from gemmactl.runtime.engine.graph import DecodeStep
-    from gemmactl.runtime.engine.graph_moe import PiecewiseDecode
+    from gemmactl.runtime.engine.graph_moe import PiecewiseDecode, TableDecode
+    from gemmactl.runtime.engine.kernels import int4_groups_kept
     from gemmactl.runtime.engine.model import GemmaModel
 
+    if mode == "table" and not int4_groups_kept(expert=True):
+        pytest.skip("the table step needs the experts in the Triton kernels' layout (Triton missing)")
     monkeypatch.setenv("GEMMACTL_ENGINE_GRAPH", "auto")
+    monkeypatch.setenv("GEMMACTL_ENGINE_MOE", mode)
     expert_bytes = None
-    for slots in (None, 3, 0):  # every expert cached (copies within the device), a few, none (all over the link)
-        settings = ExpertSettings(cache_bytes=None if slots is None else slots * expert_bytes)
+    for slots, policy in ((None, "lfu"), (3, "lfu"), (3, "lru"), (5, "hot"), (0, "lfu")):
+        settings = ExpertSettings(cache_bytes=None if slots is None else slots * expert_bytes, policy=policy)
         engine = GemmaModel(moe_artifact, device="cuda", dtype=torch.bfloat16, context=64, experts=settings)
         expert_bytes = engine.experts.store.expert_bytes
         expected, _ = engine_greedy(engine, PROMPT, STEPS)  # eager, bounded
         step = DecodeStep(engine)
-        assert isinstance(step.graph, PiecewiseDecode)
-        assert len(step.graph.graphs) == len(step.graph.calls) + 1 == sum(1 for layer in engine.layers if layer.moe) + 1
+        if mode == "table":
+            assert isinstance(step.graph, TableDecode)
+        else:
+            assert isinstance(step.graph, PiecewiseDecode)
+            assert len(step.graph.graphs) == len(step.graph.calls) + 1 == sum(1 for layer in engine.layers if layer.moe) + 1
         tokens, _ = engine_greedy(engine, PROMPT, STEPS, decoder=step)
-        assert tokens == expected, slots
+        assert tokens == expected, (slots, policy)
         stats = engine.experts.stats()
         assert stats["copied"] == stats["misses"] and (slots != 0 or stats["hits"] == 0)
+        assert stats["hits"] + stats["misses"] > 0
+        if mode == "table" and slots == 3:  # the cache turned over while the steps read it
+            assert engine.experts.cache.version > 3
         # One decode step's logits, eager and replayed, after the same prefill.
         with torch.inference_mode():
             stepped = []
@@ -243,7 +258,7 @@ def test_gpu_moe_step_captured_between_routing_decisions_decodes_like_eager(moe_
                 token, position = torch.tensor([expected[0]], device="cuda"), len(PROMPT)
                 stepped.append((engine.step(token, torch.tensor([position], device="cuda"), position + 1)
                                 if decoder is None else decoder(token, position)).float().cpu())
-        assert (stepped[1] - stepped[0]).abs().max() <= 1e-2 * stepped[0].abs().max(), slots
+        assert (stepped[1] - stepped[0]).abs().max() <= 1e-2 * stepped[0].abs().max(), (slots, policy)
 
 
 def test_lru_evicts_the_least_recently_used():

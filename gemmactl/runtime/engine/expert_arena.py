@@ -72,6 +72,7 @@ class ExpertArena:
         self.ready: list = [None] * rows  # the copy into the row, not yet waited for
         self.freed: list = [None] * rows  # after the last compute that read the row
         self.staging_freed = None  # after the last captured piece that read the staging rows
+        self.graph_done = None  # after the last whole-step graph, which may read any slot (graph_moe.TableDecode)
         self.device_rows = [self.on_device[i] for i in range(rows)]
         self.host_rows = [self.host_row(i) for i in range(len(keys))]
         self._scratch = 0
@@ -121,10 +122,19 @@ class ExpertArena:
         with torch.cuda.stream(self.stream):
             if self.freed[row] is not None:
                 self.stream.wait_event(self.freed[row])
+            if self.graph_done is not None:
+                self.stream.wait_event(self.graph_done)
             self.on_device[row].copy_(source, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         self.ready[row] = done
+
+    def addresses(self, row: int, on_device: bool) -> list:
+        """The addresses of a row's tensors, in layout order (for Int4GroupsLinear experts: the
+        gate_up codes, scales and zeros, then down's): device row `row`, or the host row of expert
+        row `row` (pinned, so the device reads it in place over the link)."""
+        base = (self.on_device[row] if on_device else self.host_row(row)).data_ptr()
+        return [base + offset for _, _, _, _, offset in self.layout]
 
     def staged(self, j: int) -> tuple:
         """The Linears viewing staging row j (what a captured step computes; see move)."""

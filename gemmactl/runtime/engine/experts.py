@@ -60,6 +60,7 @@ class ExpertCache:
         self.uses: dict = {}  # key → uses, never decayed (what the counters report)
         self.pinned: set = set()
         self.hits = self.misses = self.lookups = 0
+        self.version = 0  # bumped whenever a slot changes hands (a device table of slots follows it)
         # lfu: a heap of (count, last use, key), entries made stale by a later use skipped, so a
         # victim costs a pop or a few rather than a scan of every slot (the engine's host time).
         self._heap: list = []
@@ -96,6 +97,7 @@ class ExpertCache:
             slot = self.slots.pop(evicted)
         self.slots[key] = slot
         self._push(key)
+        self.version += 1
         return slot, evicted
 
     def _push(self, key) -> None:
@@ -419,6 +421,31 @@ class MoEBlock:
             out.add_((y * ranked[:, j:j + 1]).to(out.dtype))
         return out
 
+    def table_sum(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The experts' sum for one token x [1, H] with no host decision in it (graph_moe.TableDecode
+        captures the whole step): each chosen expert is read where the device table says it lies,
+        a cache slot or its pinned host row (read in place over the link), by the grouped int4
+        kernel, one launch for the k gate_up products and one for the k down products. The chosen
+        experts go to the step's record for the host's bookkeeping after the token. The same
+        products, added in the same ascending order, as combine() computes."""
+        from gemmactl.runtime.engine.int4_gemv import grouped
+
+        table = self.table  # set by MoEExperts.enable_table: [E, 6] addresses of this layer's experts
+        order, where = torch.sort(experts[0])  # ascending experts, and the top-k slot each came from
+        self.record.copy_(order)
+        addresses = table.index_select(0, order)  # [k, 6]
+        gate_up, down = self.store.arena.template
+        h = grouped(x.reshape(-1), addresses[:, :3].contiguous(), gate_up.out_features, gate_up.in_features,
+                    gate_up.group_size)  # [k, 2w]
+        gate, up = h.chunk(2, dim=-1)
+        a = F.gelu(gate, approximate="tanh") * up
+        y = grouped(a, addresses[:, 3:].contiguous(), down.out_features, down.in_features, down.group_size)  # [k, H]
+        ranked = weights[:, where]  # [1, k]
+        out = torch.zeros_like(x)
+        for j in range(self.top_k):
+            out.add_((y[j:j + 1] * ranked[:, j:j + 1]).to(out.dtype))
+        return out
+
     def _run(self, key, x: torch.Tensor) -> torch.Tensor:
         store, counters = self.store, self.counters
         slot = self._lookup(key)
@@ -480,7 +507,133 @@ class MoEExperts:
         return block
 
     def stats(self) -> dict:
+        self.flush()
         return summarize(self.cache, self.counters, self.store)
+
+    # --- the device table of where each expert lies (graph_moe.TableDecode) ---
+
+    def table_ready(self) -> bool:
+        """Whether the experts can run from a device table: on CUDA, in an arena, every expert in
+        the layout the grouped kernel reads."""
+        from gemmactl.runtime.engine.kernels import Int4GroupsLinear
+
+        arena = self.store.arena
+        return (arena is not None and arena.cuda and bool(self.blocks)
+                and all(isinstance(linear, Int4GroupsLinear) for linear in arena.template))
+
+    def enable_table(self) -> None:
+        """Allocate the device table ([blocks × E, 6] addresses) and the step's record of chosen
+        experts ([blocks, k]), and fill the table from the cache."""
+        arena, device = self.store.arena, self.store.device
+        self.per_layer = max(expert for _, expert in self.store.records) + 1
+        self.table = torch.zeros((len(self.blocks) * self.per_layer, 6), dtype=torch.int64, device=device)
+        self.record = torch.zeros((len(self.blocks), self.top_k), dtype=torch.int64, device=device)
+        self.record_host = torch.zeros_like(self.record, device="cpu").pin_memory()
+        self.index = {block.layer: i for i, block in enumerate(self.blocks)}
+        for i, block in enumerate(self.blocks):
+            block.table = self.table[i * self.per_layer:(i + 1) * self.per_layer]
+            block.record = self.record[i]
+        self._host_addresses = {key: arena.addresses(arena.rows[key], on_device=False) for key in self.store.records}
+        self._slot_addresses = [arena.addresses(slot, on_device=True) for slot in range(self.cache.capacity)]
+        self._pending = None  # (event, ) after a replay whose record is not yet read
+        self._side_done = None  # the last admissions' copies and table writes
+        self._keep: list = []  # host tensors the queued writes read from
+        self.rebuild_table()
+
+    def _row_of(self, key) -> int:
+        layer, expert = key
+        return self.index[layer] * self.per_layer + expert
+
+    def _entry(self, key) -> list:
+        slot = self.cache.slots.get(key)
+        return self._slot_addresses[slot] if slot is not None else self._host_addresses[key]
+
+    def rebuild_table(self) -> None:
+        """Write every entry from the cache (after eager steps changed it: a prefill, a verify
+        step), once the copies into the slots have landed."""
+        arena = self.store.arena
+        stream = torch.cuda.current_stream(self.store.device)
+        for row, event in enumerate(arena.ready):
+            if event is not None:
+                stream.wait_event(event)
+                arena.ready[row] = None
+        if self._side_done is not None:
+            stream.wait_event(self._side_done)
+        values = torch.tensor([self._entry(key) for key in sorted(self.store.records, key=self._row_of)],
+                              dtype=torch.int64)
+        rows = torch.tensor([self._row_of(key) for key in sorted(self.store.records, key=self._row_of)])
+        self.table.index_copy_(0, rows.to(self.table.device), values.to(self.table.device))
+        self.table_version = self.cache.version
+
+    def replayed(self) -> None:
+        """After a replay of the whole step: its record is read back, and acted on, at the next
+        step (the caller has read the token by then, so the wait costs nothing)."""
+        done = torch.cuda.Event()
+        self.record_host.copy_(self.record, non_blocking=True)
+        done.record(torch.cuda.current_stream(self.store.device))
+        self.store.arena.graph_done = done
+        self._pending = done
+
+    def flush(self) -> None:
+        """Count the last replayed step's experts, and queue what the cache decided: the evicted
+        experts' entries back to their host rows (on the compute stream, before the next replay),
+        then the admitted experts' copies and their entries (on the arena's stream, overlapping the
+        next step: until an entry is written the step reads that expert from its host row)."""
+        if getattr(self, "_pending", None) is None:
+            return
+        self._pending.synchronize()
+        self._pending = None
+        chosen = self.record_host.tolist()
+        cache, counters, store, arena = self.cache, self.counters, self.store, self.store.arena
+        evicted, admitted = [], []
+        for block, experts in zip(self.blocks, chosen):
+            held = {(block.layer, expert) for expert in experts}
+            counters.tokens += 1
+            for expert in experts:
+                key = (block.layer, expert)
+                if block._lookup(key) is not None:
+                    continue
+                counters.copied += 1  # read over the link, in place
+                counters.copied_bytes += store.stored_bytes
+                slot, gone = cache.admit(key, keep=held)
+                if slot is None:
+                    continue
+                if gone is not None:
+                    evicted.append(gone)
+                admitted.append((key, slot))
+        if not evicted and not admitted:
+            return
+        # Every key whose slot changed points at its host row first (one evicted and admitted again
+        # in this flush included), so no step reads a slot while a copy overwrites it; then the
+        # keys the cache holds now get their slots, each after its copy.
+        touched = list(dict.fromkeys(evicted + [key for key, _ in admitted]))
+        placed = [(key, cache.slots[key]) for key in dict.fromkeys(key for key, _ in admitted) if key in cache.slots]
+        compute = torch.cuda.current_stream(store.device)
+        self._keep = []
+        if self._side_done is not None:  # the last admissions' writes land before these
+            compute.wait_stream(arena.stream)
+        self._write(touched, [self._host_addresses[key] for key in touched])
+        before = torch.cuda.Event()
+        before.record(compute)
+        with torch.cuda.stream(arena.stream):
+            arena.stream.wait_event(before)
+            for key, slot in placed:
+                arena.on_device[slot].copy_(arena.host_rows[arena.rows[key]], non_blocking=True)
+                counters.copied_bytes += arena.row_bytes
+            self._write([key for key, _ in placed], [self._slot_addresses[slot] for _, slot in placed])
+            self._side_done = torch.cuda.Event()
+            self._side_done.record(arena.stream)
+        for _, slot in placed:  # an eager step reading the slot waits for its copy
+            arena.ready[slot] = self._side_done
+        self.table_version = cache.version
+
+    def _write(self, keys: list, entries: list) -> None:
+        """Queue table writes on the current stream (from pinned host tensors kept until the next flush)."""
+        rows = torch.tensor([self._row_of(key) for key in keys], dtype=torch.int64).pin_memory()
+        values = torch.tensor(entries, dtype=torch.int64).pin_memory()
+        self._keep += [rows, values]
+        device = self.table.device
+        self.table.index_copy_(0, rows.to(device, non_blocking=True), values.to(device, non_blocking=True))
 
 
 def summarize(cache: ExpertCache, counters: ExpertCounters, store: ExpertStore) -> dict:

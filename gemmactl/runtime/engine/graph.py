@@ -29,6 +29,17 @@ COMPILE_ENV = "GEMMACTL_ENGINE_COMPILE"  # auto (on for CUDA) | on | max (induct
 GRAPH_ENV = "GEMMACTL_ENGINE_GRAPH"  # auto (on for CUDA) | on (forced, also off CUDA where every layer is resident) | off
 
 
+MOE_ENV = "GEMMACTL_ENGINE_MOE"  # auto (table where the experts allow it, else pieces) | table | pieces
+
+
+def moe_table_wanted(model) -> bool:
+    """Whether to capture an MoE model's whole step in one graph, its experts found through a
+    device table (graph_moe.TableDecode): where the pieces are wanted and the experts are in the
+    grouped kernel's layout, unless MOE_ENV says pieces."""
+    return (moe_pieces_wanted(model) and os.environ.get(MOE_ENV, "auto").lower() != "pieces"
+            and model.experts.table_ready())
+
+
 def moe_pieces_wanted(model) -> bool:
     """Whether to capture an MoE model's step between its routing decisions (graph_moe.py): on
     CUDA unless GRAPH_ENV is off, with every layer resident and the experts in an arena."""
@@ -76,6 +87,10 @@ class DecodeStep:
         self._step = step
         if wanted(GRAPH_ENV, model):
             self._capture()
+        elif moe_table_wanted(model):
+            from gemmactl.runtime.engine.graph_moe import TableDecode
+
+            self.graph = TableDecode(model)  # one graph, the experts found through a device table
         elif moe_pieces_wanted(model):
             from gemmactl.runtime.engine.graph_moe import PiecewiseDecode
 

@@ -103,3 +103,63 @@ class PiecewiseDecode:
                     call = self.calls[i]
                     call.block.stage(call.experts)
         return self.logits
+
+
+class TableDecode:
+    """One token's step of an MoE model in one CUDA graph: no host decision inside it.
+
+    Where the pieces above stop at every router for the host to read its choice and copy the
+    experts, here the device finds each chosen expert in a table of addresses (MoEExperts.table:
+    for each expert, its cache slot or its pinned host row) and the grouped int4 kernel reads it
+    there, in place (MoEBlock.table_sum). A miss is read over the link once, inside the step; the
+    host keeps the cache after the step, from the step's record of chosen experts: counts, hits,
+    and the policy's admissions, whose copies run on a side stream beside the next step and whose
+    table entries are written when their copies land (MoEExperts.flush). The token's sync is the
+    step's only wait for the host. Only where the experts are in the grouped kernel's layout
+    (runtime/engine/kernels.py), on CUDA, every layer resident.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        device = model.device
+        experts = model.experts
+        experts.enable_table()
+        self.token = torch.zeros(1, dtype=torch.long, device=device)  # [1]
+        self.position = torch.zeros(1, dtype=torch.long, device=device)  # [1]
+        with torch.inference_mode():
+            self.x, self.per_layer = model.embed_tokens(self.token)  # the graph's static inputs
+
+        def table(call):
+            return call.block.table_sum(call.x, call.weights, call.experts)
+
+        body = lambda: model.forward(self.x, self.per_layer, self.position, experts_of=table)  # noqa: E731
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.inference_mode():
+            self.logits = body()  # [V]
+        model.reset()  # the warm-up and capture wrote position 0 of the caches
+        experts.counters.__init__()  # the warm-up's experts are not the caller's (it never called replayed())
+        experts.cache.hits = experts.cache.misses = 0
+
+    def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        """Logits [V] after token (a 0-dim or [1] tensor on the device) at position."""
+        experts = self.model.experts
+        experts.flush()  # the previous step's bookkeeping (its token was read: nothing to wait for)
+        if experts.table_version != experts.cache.version:  # an eager step (prefill) moved experts
+            experts.rebuild_table()
+        self.token.copy_(token.reshape(1))
+        self.position.fill_(position)
+        with torch.inference_mode():
+            x, per_layer = self.model.embed_tokens(self.token)
+            self.x.copy_(x)
+            if per_layer is not None:
+                self.per_layer.copy_(per_layer)
+        self.graph.replay()
+        experts.replayed()
+        return self.logits
+

@@ -1,17 +1,25 @@
 """The engine's matrix products over int4-stream weights: which kernel runs each weight, and its layout.
 
-On CUDA, int4 weights run in torch's built-in int4 weight-only matmul (`aten._weight_int4pack_mm`,
-the "tinygemm" kernel that gpt-fast and torchao's int4 weight-only path use): a well-kept kernel
-that ships with torch, needs nothing compiled here, and fuses the dequantization into the
-product, so a decode step reads each weight once, packed. int8 rows (the head, and v_proj and
-down_proj under `--sensitive int8`) stay int8 on the device (`Int8Linear`): one token runs the
-Triton GEMV of runtime/engine/int8_gemv.py, which reads each code once (why not torch's own int8
-kernels is said there); several tokens dequantize a block of rows at a time into cuBLAS.
-`GEMMACTL_ENGINE_INT8=dense` keeps bfloat16 copies in cuBLAS instead (twice the bytes; for
-measurements and machines without Triton).
-The repacked layout is kept beside the artifact (`engine-cache/`), so a second load skips the
-repack. On the CPU every weight is dequantized once into a dense matrix in the compute dtype and
-multiplied by `F.linear`: its numbers are exactly the dense reference's. torch's CPU int4 kernel
+On CUDA, dense int4 weights run in torch's built-in int4 weight-only matmul
+(`aten._weight_int4pack_mm`, the "tinygemm" kernel that gpt-fast and torchao's int4 weight-only
+path use): a well-kept kernel that ships with torch, needs nothing compiled here, and fuses the
+dequantization into the product. Its layout is its own, so the codes are repacked at the first
+load and the result kept beside the artifact (`engine-cache/`). MoE experts stay as the artifact
+stores them (`Int4GroupsLinear`): one token runs the Triton GEMV of runtime/engine/int4_gemv.py,
+which reads codes, scales and zeros in place, so a layer's chosen experts run in one grouped
+launch wherever each of them lies, in a device slot or in pinned host memory. Measured on the
+H200 (benchmarks/int4_gemv_sweep.py, docs/benchmarks.md), tinygemm was faster on every dense
+matrix shape of E2B and 26B-A4B (3.5–10.5 µs against 5.7–11.2 for the best Triton tile), and the
+grouped kernel faster for a layer's 8 experts (87 µs against 117 for tinygemm one by one).
+`GEMMACTL_ENGINE_INT4=tinygemm` or `groups` puts every int4 matrix in one kernel (measurements).
+Several tokens (a prefill chunk, a verify step) decode an `Int4GroupsLinear` a block of rows at a
+time into cuBLAS. int8 rows (the head, and v_proj and down_proj under `--sensitive int8`) stay
+int8 on the device (`Int8Linear`): one token runs the Triton GEMV of
+runtime/engine/int8_gemv.py (why not torch's own int8 kernels is said there); several tokens
+dequantize a block of rows at a time into cuBLAS. `GEMMACTL_ENGINE_INT8=dense` keeps bfloat16
+copies in cuBLAS instead (twice the bytes; for measurements and machines without Triton). On the
+CPU every weight is dequantized once into a dense matrix in the compute dtype and multiplied by
+`F.linear`: its numbers are exactly the dense reference's. torch's CPU int4 kernel
 (`_weight_int4pack_mm_for_cpu`) was faster per layer matrix here (122 against 162 µs for 2048×640
 at one token) but rounds each group's zero to bfloat16, which moves the logits; the head, the
 largest matrix, is int8 rows, where `_weight_int8pack_mm` was no faster than dense bfloat16.
@@ -26,6 +34,7 @@ import os
 
 KERNEL_ENV = "GEMMACTL_ENGINE_KERNEL"  # auto | dense: force dense weights (for measurements)
 INT8_ENV = "GEMMACTL_ENGINE_INT8"  # rows (default) | dense: int8 rows kept as int8, or as bfloat16 copies
+INT4_ENV = "GEMMACTL_ENGINE_INT4"  # auto (experts as stored, the rest tinygemm) | groups (all as stored) | tinygemm (all)
 INT8_BLOCK_VALUES = 1 << 22  # values Int8Linear's block path dequantizes at once (about 24 MB of temporaries)
 INNER_K_TILES = 8
 TINYGEMM_GROUPS = (32, 64, 128, 256)
@@ -89,6 +98,50 @@ class Int4Linear(Linear):
                           self.in_features, self.columns)
 
 
+class Int4GroupsLinear(Linear):
+    """int4 as the artifact stores it: codes nibble-packed [out, Cp/2] uint8, fp16 scales and zeros
+    [out, G]. One token runs the Triton GEMV of runtime/engine/int4_gemv.py; several tokens decode
+    a block of rows at a time into cuBLAS."""
+
+    kernel = "int4-groups"
+
+    def __init__(self, qweight, scales, zeros, in_features: int):
+        self.qweight, self.scales, self.zeros = qweight, scales, zeros
+        self.out_features, self.in_features = qweight.shape[0], in_features
+        self.group_size = qweight.shape[1] * 2 // scales.shape[1]
+
+    def __call__(self, x):
+        from gemmactl.runtime.engine.int4_gemv import int4_gemv
+
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # [T, in]
+        if flat.shape[0] == 1 and flat.is_cuda:
+            y = int4_gemv(flat.reshape(-1), self.qweight, self.scales, self.zeros, self.in_features)
+        else:
+            y = self._blocks(flat)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _blocks(self, flat):
+        import torch
+        import torch.nn.functional as F
+
+        from gemmactl.runtime.engine.int4_gemv import dequantize
+
+        out = torch.empty((flat.shape[0], self.out_features), dtype=flat.dtype, device=flat.device)
+        step = max(1, INT8_BLOCK_VALUES // max(self.in_features, 1))
+        for start in range(0, self.out_features, step):
+            rows = slice(start, start + step)
+            weight = dequantize(self.qweight[rows], self.scales[rows], self.zeros[rows], self.in_features, flat.dtype)
+            out[:, rows] = F.linear(flat, weight)
+        return out
+
+    def tensors(self) -> dict:
+        return {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}
+
+    def with_tensors(self, tensors: dict) -> "Int4GroupsLinear":
+        return Int4GroupsLinear(tensors["qweight"], tensors["scales"], tensors["zeros"], self.in_features)
+
+
 class Int8Linear(Linear):
     """Row-wise symmetric int8: w = q · scale, q int8 [out, in] and scale [out] as stored (float16)."""
 
@@ -137,8 +190,38 @@ def int8_rows_kept() -> bool:
     return os.environ.get(INT8_ENV, "rows").lower() != "dense" and available("cuda")
 
 
+def int4_groups_kept(expert: bool = False) -> bool:
+    """Whether CUDA keeps an int4 matrix as stored (Int4GroupsLinear) rather than in tinygemm's
+    layout. By default (INT4_ENV auto) MoE experts only, where Triton is there: a layer's chosen
+    experts then run in one grouped launch and can be read in place from host memory; tinygemm was
+    faster on every dense matrix of E2B and 26B-A4B (benchmarks/int4_gemv_sweep.py)."""
+    from gemmactl.runtime.engine.int4_gemv import available
+
+    return _int4_groups_setting(expert) and available("cuda")
+
+
+def _int4_groups_setting(expert: bool) -> bool:
+    setting = os.environ.get(INT4_ENV, "auto").lower()
+    return setting == "groups" or (setting != "tinygemm" and expert)
+
+
+def _int4_groups_planned(expert: bool) -> bool:
+    """int4_groups_kept() where this machine has CUDA; for another machine, as a standard CUDA
+    install of torch (with Triton) will hold them."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int4_groups_kept(expert)
+    return _int4_groups_setting(expert)
+
+
 def tinygemm_fits(record) -> bool:
     return _tinygemm_fits(tuple(record.shape), record.group_size)
+
+
+def _groups_fit(group_size: int | None) -> bool:
+    """Whether the Triton int4 kernels take a group size: a power of two of at least 4 columns."""
+    return bool(group_size) and group_size >= 4 and group_size & (group_size - 1) == 0
 
 
 def _tinygemm_fits(shape: tuple, group_size: int | None, pad: bool = False) -> bool:
@@ -161,10 +244,14 @@ def tinygemm_columns(in_features: int, group_size: int) -> int:
 def linear_bytes(scheme: str, shape: tuple, group_size: int | None, *, cuda: bool, dtype_bytes: int = 2,
                  pad: bool = False) -> int:
     """Bytes make_linear allocates for a stored matrix (the planner's rule and the engine's, one place):
-    int4 in tinygemm's layout on CUDA (codes at half a byte, bfloat16 scale and zero′ per group;
-    pad: columns padded as make_linear pads them), int8 rows as stored on CUDA (a byte a value, a
+    int4 on CUDA as stored where that is kept (codes at half a byte, fp16 scale and zero per group;
+    pad: an MoE expert, by default kept so), else in tinygemm's layout (bfloat16 scale and zero′
+    per group; pad: columns padded as make_linear pads them), int8 rows as stored on CUDA (a byte a value, a
     float16 scale a row), everything else dense in the compute dtype."""
     out_features, in_features = shape
+    if cuda and scheme == "int4" and _groups_fit(group_size) and _int4_groups_planned(pad):
+        groups = -(-in_features // group_size)
+        return out_features * groups * group_size // 2 + groups * out_features * 2 * 2
     if cuda and scheme == "int4" and _tinygemm_fits((out_features, in_features), group_size, pad):
         columns = tinygemm_columns(in_features, group_size) if pad else in_features
         return out_features * columns // 2 + (columns // group_size) * out_features * 2 * 2
@@ -187,14 +274,19 @@ def _int8_rows_planned() -> bool:
 def make_linear(artifact, record, device, dtype, cache=None, pad: bool = False) -> Linear:
     """The record as a Linear on device: a fused int4/int8 kernel on CUDA, dense elsewhere.
 
-    cache: a RepackCache keeping tinygemm layouts between loads. pad: an int4 matrix whose columns
-    tinygemm does not take as they are is padded (tinygemm_columns) rather than made dense.
+    cache: a RepackCache keeping tinygemm layouts between loads. pad: an MoE expert's matrix, kept
+    as stored by default (int4_groups_kept), or in tinygemm with its columns padded
+    (tinygemm_columns) where tinygemm does not take them as they are, rather than made dense.
     """
     import torch
 
     cuda = str(device).startswith("cuda")
     forced_dense = os.environ.get(KERNEL_ENV, "auto") == "dense"
     if cuda and not forced_dense and dtype == torch.bfloat16:
+        if record.scheme == "int4" and _groups_fit(record.group_size) and int4_groups_kept(pad):
+            parts = artifact.packed(record, device).parts
+            return Int4GroupsLinear(parts["qweight"].contiguous(), parts["scales"].contiguous(),
+                                    parts["zeros"].contiguous(), record.shape[1])
         if record.scheme == "int4" and _tinygemm_fits(tuple(record.shape), record.group_size, pad):
             in_features = record.shape[1]
             columns = tinygemm_columns(in_features, record.group_size) if pad else in_features

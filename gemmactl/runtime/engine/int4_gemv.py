@@ -1,0 +1,168 @@
+"""One token times int4-stream matrices on CUDA, in Triton kernels that read the artifact's own layout.
+
+The artifact stores int4 codes nibble-packed two to a byte (low nibble first) with an fp16 scale and
+zero per group of g columns: w = q·scale + zero. These kernels read that layout in place, so an
+expert needs no repack and can be read wherever it lies, in device memory or in pinned host memory
+(CUDA maps pinned host memory into the device's address space): `grouped` multiplies one token by
+the k experts a MoE layer chose, found through a table of addresses, in one launch, with no host
+decision between the router and the experts. Each program owns a block of rows and walks K a tile
+of whole groups at a time; per group it sums q·x over the group's columns and adds
+scale·Σqx + zero·Σx (the zero term needs only the token's own sum per group, shared by every row).
+Triton is the well-kept route to a kernel of this shape (it ships with torch's CUDA wheels);
+torchao's and gemlite's int4 GEMVs take their own layouts, which would bring a repack back and
+could not read a table of addresses. Measured on the H200 (benchmarks/int4_gemv_sweep.py): for a
+26B-A4B layer's 8 experts, 87 µs grouped against 117 for tinygemm one expert at a time; on single
+dense matrices tinygemm stays faster (runtime/engine/kernels.py says where each runs). As for the
+int8 GEMV (runtime/engine/int8_gemv.py), tiles are fixed by shape rather than left to Triton's
+autotuner (which would allocate a flush buffer inside the plan's budget), and matrices with few row
+blocks split K. Custom ops, so torch.compile keeps them whole and a CUDA graph replays them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+TILE_ENV = "GEMMACTL_INT4_TILE"  # "ROWS,GROUPS,WARPS[,PROGRAMS]": one tile for every shape, to measure one
+
+
+class Tile(NamedTuple):
+    rows: int  # BLOCK_N: rows a program owns
+    groups: int  # BLOCK_G: whole groups it reads per iteration (BLOCK_G × g columns)
+    warps: int
+    programs_per_sm: int = 4  # fewer row blocks than this per multiprocessor: K is split to make more
+
+
+TALL_ROWS = 16_384
+TALL_TILE = Tile(8, 8, 4)
+WIDE_TILE = Tile(4, 16, 4)
+
+
+@functools.cache
+def tile_for(out_features: int, in_features: int) -> Tile:
+    """The tile for a matrix: TILE_ENV when set (to measure one), else by its shape."""
+    setting = os.environ.get(TILE_ENV, "").strip()
+    if setting:
+        try:
+            tile = Tile(*(int(v) for v in setting.split(",")))
+        except (TypeError, ValueError):
+            tile = None
+        if tile is None or not all(v > 0 and v & (v - 1) == 0 for v in tile[:3]) or tile.programs_per_sm < 1:
+            raise ValueError(f"{TILE_ENV}={setting!r}: expected ROWS,GROUPS,WARPS[,PROGRAMS], the first three "
+                             "powers of two (e.g. 8,8,4); unset it for the engine's own tiles")
+        return tile
+    return TALL_TILE if out_features >= TALL_ROWS else WIDE_TILE
+
+
+def split(out_features: int, groups: int, sms: int, tile: Tile) -> tuple[int, int]:
+    """(splits, groups per split): too few row blocks to give every multiprocessor the tile's
+    programs splits K, and the partial sums are added after."""
+    row_blocks = -(-out_features // tile.rows)
+    tiles = -(-groups // tile.groups)
+    splits = max(1, min(tiles, -(-tile.programs_per_sm * sms // row_blocks)))
+    per = -(-tiles // splits) * tile.groups
+    return -(-groups // per), per
+
+
+@functools.cache
+def _kernels():
+    """(triton, the GEMV, the grouped GEMV, the decoder): Triton's jit functions live in their own
+    module (they find each other through its globals), imported only where a kernel runs."""
+    import triton
+
+    from gemmactl.runtime.engine import int4_triton as k
+
+    return triton, k.int4_gemv, k.int4_gemv_grouped, k.int4_dequantize
+
+
+def _sms(device: torch.device) -> int:
+    """The device's multiprocessors (1 off CUDA: Triton's interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@torch.library.custom_op("gemmactl::int4_gemv", mutates_args=())
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              in_features: int) -> torch.Tensor:
+    """x [in] (one token) · (qweight [out, Cp/2] uint8, scales and zeros [out, G] fp16) → [out] in x's dtype."""
+    triton, kernel, _, _ = _kernels()
+    out_features, groups = scales.shape
+    group = qweight.shape[1] * 2 // groups
+    tile = tile_for(out_features, in_features)
+    splits, per = split(out_features, groups, _sms(x.device), tile)
+    if splits == 1:
+        y = torch.empty(out_features, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.empty((splits, out_features), dtype=torch.float32, device=x.device)
+    kernel[(triton.cdiv(out_features, tile.rows), splits)](
+        x.contiguous(), qweight, scales, zeros, y, out_features, in_features, groups, qweight.stride(0),
+        scales.stride(0), per, BLOCK_N=tile.rows, BLOCK_G=tile.groups, GROUP=group, num_warps=tile.warps)
+    return y if splits == 1 else y.sum(0).to(x.dtype)
+
+
+@int4_gemv.register_fake
+def _(x, qweight, scales, zeros, in_features):
+    return x.new_empty(scales.shape[0])
+
+
+@torch.library.custom_op("gemmactl::int4_gemv_grouped", mutates_args=())
+def grouped(x: torch.Tensor, addresses: torch.Tensor, out_features: int, in_features: int,
+            group_size: int) -> torch.Tensor:
+    """x [M, in] or [in] (shared) · M matrices of one shape, each at addresses [M, 3] int64 (its codes,
+    scales and zeros, laid out as int4_gemv takes them, contiguous) → [M, out] in x's dtype."""
+    triton, _, kernel, _ = _kernels()
+    matrices = addresses.shape[0]
+    groups = -(-in_features // group_size)
+    tile = tile_for(out_features, in_features)
+    # K split as for one matrix of the shape, so each product is summed exactly as int4_gemv sums it
+    # (a step captured with the experts grouped gives the eager step's numbers bit for bit).
+    splits, per = split(out_features, groups, _sms(x.device), tile)
+    y = torch.empty((splits, matrices, out_features), dtype=x.dtype if splits == 1 else torch.float32,
+                    device=x.device)
+    x = x.contiguous()
+    stride_x = 0 if x.dim() == 1 else x.shape[1]
+    kernel[(triton.cdiv(out_features, tile.rows) * matrices, splits)](
+        x, stride_x, addresses, y, out_features, in_features, groups,
+        groups * group_size // 2, groups, per, matrices, BLOCK_N=tile.rows, BLOCK_G=tile.groups, GROUP=group_size,
+        num_warps=tile.warps)
+    return y[0] if splits == 1 else y.sum(0).to(x.dtype)
+
+
+@grouped.register_fake
+def _(x, addresses, out_features, in_features, group_size):
+    return x.new_empty((addresses.shape[0], out_features))
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, in_features: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The matrix [out, in] in dtype, decoded on the device in one launch (several tokens' path:
+    decoded a block of rows at a time, then cuBLAS)."""
+    triton, _, _, kernel = _kernels()
+    out_features, groups = scales.shape
+    group = qweight.shape[1] * 2 // groups
+    w = torch.empty((out_features, in_features), dtype=dtype, device=qweight.device)
+    rows, block_groups = 8, max(1, 256 // group)
+    kernel[(triton.cdiv(out_features, rows), triton.cdiv(groups, block_groups))](
+        qweight, scales, zeros, w, out_features, in_features, groups, qweight.stride(0), scales.stride(0), w.stride(0),
+        BLOCK_N=rows, BLOCK_G=block_groups, GROUP=group, num_warps=4)
+    return w
+
+
+def available(device) -> bool:
+    """Whether the kernel can run on device (CUDA with Triton importable)."""
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,82 @@
+"""The Triton kernels of runtime/engine/int4_gemv.py (imported only where one runs: Triton is not
+needed to import the engine). Codes nibble-packed two to a byte, low nibble first; fp16 scale and
+zero per group of GROUP columns; w = q·scale + zero."""
+
+import triton
+import triton.language as tl
+
+@triton.jit
+def _partial(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_ok, first, K, G, stride_q, stride_s, G_PER,
+             BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, GROUP: tl.constexpr):
+    HALF: tl.constexpr = GROUP // 2
+    g_in = tl.arange(0, BLOCK_G)  # [BG]
+    b_in = tl.arange(0, HALF)  # [g/2]: a group's bytes
+    acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    for offset in range(0, G_PER, BLOCK_G):
+        g = first + offset + g_in  # [BG] groups
+        g_ok = g < G
+        byte = g[:, None] * HALF + b_in[None, :]  # [BG, g/2]
+        even = byte * 2
+        # The token's columns, even and odd (what the low and high nibbles multiply); zero past K.
+        xe = tl.load(x_ptr + even, mask=g_ok[:, None] & (even < K), other=0.0).to(tl.float32)
+        xo = tl.load(x_ptr + even + 1, mask=g_ok[:, None] & (even + 1 < K), other=0.0).to(tl.float32)
+        codes = tl.load(q_ptr + rows[:, None, None] * stride_q + byte[None, :, :],
+                        mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)  # [BN, BG, g/2]
+        lo = (codes & 15).to(tl.float32)
+        hi = (codes >> 4).to(tl.float32)
+        qx = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)  # [BN, BG]: Σ q·x per group
+        xs = tl.sum(xe + xo, axis=1)  # [BG]: Σ x per group
+        at = rows[:, None] * stride_s + g[None, :]
+        ok = row_ok[:, None] & g_ok[None, :]
+        scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        acc += scale * qx + zero * xs[None, :]
+    return tl.sum(acc, axis=1)  # [BN]
+
+@triton.jit
+def int4_gemv(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, G, stride_q, stride_s, G_PER,
+              BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, GROUP: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    total = _partial(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_ok, tl.program_id(1) * G_PER, K, G, stride_q,
+                     stride_s, G_PER, BLOCK_N, BLOCK_G, GROUP)
+    tl.store(y_ptr + tl.program_id(1) * N + rows, total.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+@triton.jit
+def int4_gemv_grouped(x_ptr, stride_x, addr_ptr, y_ptr, N, K, G, stride_q, stride_s, G_PER, MATRICES,
+                      BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, GROUP: tl.constexpr):
+    # Program (row block, matrix) on axis 0, K split on axis 1. addr_ptr: [M, 3] int64, the
+    # matrix's codes, scales and zeros; x_ptr + m * stride_x: its token (stride_x 0: one shared).
+    blocks = tl.cdiv(N, BLOCK_N)
+    m = tl.program_id(0) // blocks
+    rows = (tl.program_id(0) % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    q_ptr = tl.load(addr_ptr + m * 3).to(tl.pointer_type(tl.uint8))
+    s_ptr = tl.load(addr_ptr + m * 3 + 1).to(tl.pointer_type(tl.float16))
+    z_ptr = tl.load(addr_ptr + m * 3 + 2).to(tl.pointer_type(tl.float16))
+    total = _partial(x_ptr + m * stride_x, q_ptr, s_ptr, z_ptr, rows, row_ok, tl.program_id(1) * G_PER, K, G,
+                     stride_q, stride_s, G_PER, BLOCK_N, BLOCK_G, GROUP)
+    tl.store(y_ptr + (tl.program_id(1) * MATRICES + m) * N + rows, total.to(y_ptr.dtype.element_ty),
+             mask=row_ok)
+
+@triton.jit
+def int4_dequantize(q_ptr, s_ptr, z_ptr, w_ptr, N, K, G, stride_q, stride_s, stride_w,
+                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, GROUP: tl.constexpr):
+    HALF: tl.constexpr = GROUP // 2
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    row_ok, g_ok = rows < N, g < G
+    byte = g[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [BG, g/2]
+    codes = tl.load(q_ptr + rows[:, None, None] * stride_q + byte[None, :, :],
+                    mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)
+    at = rows[:, None] * stride_s + g[None, :]
+    ok = row_ok[:, None] & g_ok[None, :]
+    scale = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)[:, :, None]
+    zero = tl.load(z_ptr + at, mask=ok, other=0.0).to(tl.float32)[:, :, None]
+    even = byte * 2
+    out = w_ptr + rows[:, None, None] * stride_w + even[None, :, :]
+    keep = row_ok[:, None, None] & g_ok[None, :, None]
+    tl.store(out, ((codes & 15).to(tl.float32) * scale + zero).to(w_ptr.dtype.element_ty),
+             mask=keep & (even < K)[None, :, :])
+    tl.store(out + 1, ((codes >> 4).to(tl.float32) * scale + zero).to(w_ptr.dtype.element_ty),
+             mask=keep & (even + 1 < K)[None, :, :])

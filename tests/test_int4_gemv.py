@@ -1,0 +1,69 @@
+"""The Triton int4 kernels (runtime/engine/int4_gemv.py) against the dequantized matrices.
+
+On a GPU (the gpu tier): one token times a matrix, the grouped kernel over several matrices found
+through a table of addresses (bit for bit the single kernel's numbers), the same read in place from
+pinned host memory, and the decoder. Without a GPU, where Triton is installed, the same checks run
+in Triton's interpreter on the CPU (in a subprocess, since the interpreter is chosen when the
+kernels are first compiled); where it is not, they skip.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# (rows, columns, group): shapes with whole and partial tiles, columns not a multiple of a tile (704,
+# as 26B-A4B's experts' down_proj), a group that is not the default.
+SHAPES = [(64, 256, 32), (40, 176, 32), (33, 704, 32), (16, 128, 64), (8, 96, 16)]
+
+
+def _matrix(rows, cols, group, device):
+    from gemmactl.formats.int4.quant import dequantize_int4, quantize_int4
+
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols + group))
+    q, s, z = quantize_int4(w, group)
+    return q.to(device), s.to(device), z.to(device), dequantize_int4(q, s, z, cols, torch.float32).to(device)
+
+
+def check_kernels(device: str) -> None:
+    """Every check, on device ("cuda", or "cpu" under Triton's interpreter)."""
+    from gemmactl.runtime.engine import int4_gemv
+
+    for rows, cols, group in SHAPES:
+        q, s, z, w = _matrix(rows, cols, group, device)
+        x = torch.randn(cols, generator=torch.Generator().manual_seed(cols)).bfloat16().to(device)
+        reference = w @ x.float()
+        y = int4_gemv.int4_gemv(x, q, s, z, cols).float()
+        # the products and sums in float32, the output rounded to bfloat16 (2^-8 relative)
+        assert (y - reference).abs().max() <= 2 ** -7 * reference.abs().max(), (rows, cols, group)
+        assert torch.equal(int4_gemv.dequantize(q, s, z, cols, torch.float32), w), (rows, cols, group)
+        mats = [_matrix(rows, cols, group, device)[:3] for _ in range(3)]
+        addresses = torch.tensor([[m.data_ptr() for m in parts] for parts in mats], dtype=torch.int64, device=device)
+        xs = torch.randn(3, cols, generator=torch.Generator().manual_seed(3)).bfloat16().to(device)
+        single = torch.stack([int4_gemv.int4_gemv(xs[i], *mats[i], cols) for i in range(3)])
+        assert torch.equal(int4_gemv.grouped(xs, addresses, rows, cols, group), single), (rows, cols, group)
+        shared = torch.stack([int4_gemv.int4_gemv(x, *mats[i], cols) for i in range(3)])
+        assert torch.equal(int4_gemv.grouped(x, addresses, rows, cols, group), shared), (rows, cols, group)
+        if device == "cuda":  # read in place from pinned host memory, over the link
+            pinned = [tuple(t.cpu().pin_memory() for t in parts) for parts in mats]
+            host = torch.tensor([[t.data_ptr() for t in parts] for parts in pinned], dtype=torch.int64, device=device)
+            assert torch.equal(int4_gemv.grouped(xs, host, rows, cols, group), single), (rows, cols, group)
+
+
+@pytest.mark.gpu
+def test_gpu_int4_kernels_match_the_dequantized_matrix_and_each_other():
+    check_kernels("cuda")
+
+
+def test_int4_kernels_in_tritons_interpreter():
+    pytest.importorskip("triton", reason="Triton is not installed here (it ships with torch's CUDA builds)")
+    root = Path(__file__).resolve().parents[1]
+    code = "import test_int4_gemv as t; t.check_kernels('cpu')"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root / "tests"), str(root)])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
