@@ -221,11 +221,11 @@ def main() -> None:
 
 def policy_table(r: dict) -> str:
     """One row per expert cache policy (and the cache off): what the cache did and what it bought."""
-    rows = [f"| policy ({r['router']}) | cached experts | hit rate | link MB/token | decode tok/s | wall tok/s | "
+    rows = [f"| policy ({r['router']}) | cached experts | hit rate | link MB per decoded token | decode tok/s | wall tok/s | "
             f"peak MiB (cap {r['cap_mib']}) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in r["policies"].items():
         experts = ((row.get("engine") or {}).get("experts")) or {}
-        link = experts.get("link_bytes_per_token")
+        link = experts.get("link_bytes_per_decode_token", experts.get("link_bytes_per_token"))
         rows.append(f"| {name} | {experts.get('capacity_experts', '-')} | "
                     f"{'-' if experts.get('hit_rate') is None else format(experts['hit_rate'], '.1%')} | "
                     f"{'-' if link is None else format(link / 1e6, '.1f')} | {_num(row.get('decode_tok_s'))} | "

@@ -104,6 +104,10 @@ def test_experts_copied_from_an_arena_give_the_same_tokens_and_logits(moe_artifa
     assert stats["copied"] == stats["misses"] > 0 and stats["host_share"] == 0.0
     assert stats["capacity_experts"] == slots
     assert stats["hits"] == 0 if slots == 0 else slots < len(store.records) // 4 or stats["hits"] > 0
+    if slots == 0 and not prefetch:  # every decoded token brings each layer's top-k experts over the link
+        layers = len(engine.experts.blocks)
+        assert stats["link_bytes_per_decode_token"] == layers * engine.experts.top_k * store.stored_bytes
+        assert stats["link_bytes_per_token"] < stats["link_bytes_per_decode_token"]  # a prefill chunk's experts serve its tokens
 
 
 @pytest.mark.gpu

@@ -188,7 +188,8 @@ def _engine_text(d: dict) -> str:
         e = d["experts"]
         rate = "-" if e["hit_rate"] is None else f"{e['hit_rate']:.0%}"
         text += (f"\nexperts: {e['policy']} cache of {e['capacity_experts']} ({format_size(e['cache_bytes'])}), "
-                 f"hit rate {rate}, {format_size(e['link_bytes_per_token'])} copied per token, "
+                 f"hit rate {rate}, {format_size(e.get('link_bytes_per_decode_token') or e['link_bytes_per_token'])} "
+                 "over the link per decoded token, "
                  f"{e['host_share']:.0%} computed on the CPU")
     return text
 

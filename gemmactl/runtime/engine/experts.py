@@ -173,6 +173,8 @@ class ExpertCounters:
     steps: int = 0
     copied: int = 0
     copied_bytes: int = 0
+    decode_tokens: int = 0  # one-token steps (per layer, summed), and the bytes they moved over the link
+    decode_bytes: int = 0
     host_computed: int = 0  # expert uses computed on the host
     prefetched: int = 0  # experts copied in ahead of their layer
     prefetch_hits: int = 0  # ... and then used from the cache
@@ -267,6 +269,14 @@ class MoEBlock:
                 experts: torch.Tensor) -> torch.Tensor:
         """The experts' sum for x [T, H] with the router's choice already made (route())."""
         self.counters.tokens += x.shape[0]
+        before = self.counters.copied_bytes
+        out = self._combine(x, residual, weights, experts)
+        if x.shape[0] == 1:
+            self.counters.decode_tokens += 1
+            self.counters.decode_bytes += self.counters.copied_bytes - before
+        return out
+
+    def _combine(self, x, residual, weights, experts):
         if self.store.arena is not None:
             out = self._from_arena(x, weights, experts)
             if self.prefetch and self.next is not None:
@@ -394,6 +404,8 @@ class MoEBlock:
         order = sorted(experts[0].tolist())  # waits for the router: the copies depend on its choice
         held = {(self.layer, expert) for expert in order}
         counters.tokens += 1
+        counters.decode_tokens += 1
+        before = counters.copied_bytes
         moves = []
         for j, expert in enumerate(order):
             key, row = (self.layer, expert), arena.staging + j
@@ -407,6 +419,7 @@ class MoEBlock:
             slot, _ = cache.admit(key, keep=held)
             if slot is not None:
                 moves.append((row, slot))
+        counters.decode_bytes += counters.copied_bytes - before
         arena.move(moves)
 
     def staged_sum(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -589,12 +602,14 @@ class MoEExperts:
         for block, experts in zip(self.blocks, chosen):
             held = {(block.layer, expert) for expert in experts}
             counters.tokens += 1
+            counters.decode_tokens += 1
             for expert in experts:
                 key = (block.layer, expert)
                 if block._lookup(key) is not None:
                     continue
                 counters.copied += 1  # read over the link, in place
                 counters.copied_bytes += store.stored_bytes
+                counters.decode_bytes += store.stored_bytes
                 slot, gone = cache.admit(key, keep=held)
                 if slot is None:
                     continue
@@ -620,6 +635,7 @@ class MoEExperts:
             for key, slot in placed:
                 arena.on_device[slot].copy_(arena.host_rows[arena.rows[key]], non_blocking=True)
                 counters.copied_bytes += arena.row_bytes
+                counters.decode_bytes += arena.row_bytes
             self._write([key for key, _ in placed], [self._slot_addresses[slot] for _, slot in placed])
             self._side_done = torch.cuda.Event()
             self._side_done.record(arena.stream)
@@ -639,8 +655,11 @@ class MoEExperts:
 def summarize(cache: ExpertCache, counters: ExpertCounters, store: ExpertStore) -> dict:
     """What run --stats, --json and bench report about the experts."""
     uses = max(counters.uses, 1)
-    per_token = counters.copied_bytes / counters.tokens * len(counters.per_layer_uses) if counters.tokens else 0
+    layers = len(counters.per_layer_uses)
+    per_token = counters.copied_bytes / counters.tokens * layers if counters.tokens else 0
+    per_decode = counters.decode_bytes / counters.decode_tokens * layers if counters.decode_tokens else 0
     return {**cache.stats(), "prefetched": counters.prefetched, "prefetch_hits": counters.prefetch_hits,
             "expert_bytes": store.expert_bytes, "experts_host_bytes": store.host_bytes(),
             "cache_bytes": cache.capacity * store.expert_bytes, "copied": counters.copied,
-            "link_bytes_per_token": round(per_token), "host_share": round(counters.host_computed / uses, 4)}
+            "link_bytes_per_token": round(per_token),
+            "link_bytes_per_decode_token": round(per_decode), "host_share": round(counters.host_computed / uses, 4)}
