@@ -221,11 +221,12 @@ def test_an_moe_step_is_captured_in_pieces_on_cuda_unless_turned_off(monkeypatch
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["table", "pieces"])
 def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mode):
-    """On CUDA, by default: the whole step in one graph, each chosen expert read where a device table
-    says it lies (a cache slot, or its pinned host row over the link), the cache kept by the host
-    after each token (graph_moe.TableDecode); or (pieces) graphs cut after each MoE layer's
-    router, the chosen experts copied into staging rows between replays. The tokens of the eager
-    step with the cache whole, small and off, and logits within bfloat16 rounding."""
+    """On CUDA: (pieces, the default) graphs cut after each MoE layer's router, the chosen experts
+    copied into staging rows between replays; or (table, asked for) the whole step in one graph,
+    each chosen expert read where a device table says it lies (a cache slot, or its pinned host row
+    over the link), the cache kept by the host after each token (graph_moe.TableDecode). The
+    tokens of the eager step with the cache whole, small and off, under each policy, and logits
+    within bfloat16 rounding."""
     from gemmactl.runtime.engine.graph import DecodeStep
     from gemmactl.runtime.engine.graph_moe import PiecewiseDecode, TableDecode
     from gemmactl.runtime.engine.kernels import int4_groups_kept

@@ -548,9 +548,15 @@ class MoEExperts:
             block.record = self.record[i]
         self._host_addresses = {key: arena.addresses(arena.rows[key], on_device=False) for key in self.store.records}
         self._slot_addresses = [arena.addresses(slot, on_device=True) for slot in range(self.cache.capacity)]
-        self._pending = None  # (event, ) after a replay whose record is not yet read
+        self._pending = None  # the event after a replay whose record is not yet read
         self._side_done = None  # the last admissions' copies and table writes
-        self._keep: list = []  # host tensors the queued writes read from
+        # Table writes go through buffers made once (a step allocates nothing): [0] on the compute
+        # stream, [1] on the arena's; at most every expert of a step evicted and admitted.
+        most = 2 * len(self.blocks) * self.top_k
+        self._rows_host = torch.zeros((2, most), dtype=torch.int64).pin_memory()
+        self._values_host = torch.zeros((2, most, 6), dtype=torch.int64).pin_memory()
+        self._rows_device = torch.zeros((2, most), dtype=torch.int64, device=device)
+        self._values_device = torch.zeros((2, most, 6), dtype=torch.int64, device=device)
         self.rebuild_table()
 
     def _row_of(self, key) -> int:
@@ -594,6 +600,10 @@ class MoEExperts:
         next step: until an entry is written the step reads that expert from its host row)."""
         if getattr(self, "_pending", None) is None:
             return
+        with torch.inference_mode():  # the slots and the table are inference tensors
+            self._flush()
+
+    def _flush(self) -> None:
         self._pending.synchronize()
         self._pending = None
         chosen = self.record_host.tolist()
@@ -624,10 +634,9 @@ class MoEExperts:
         touched = list(dict.fromkeys(evicted + [key for key, _ in admitted]))
         placed = [(key, cache.slots[key]) for key in dict.fromkeys(key for key, _ in admitted) if key in cache.slots]
         compute = torch.cuda.current_stream(store.device)
-        self._keep = []
-        if self._side_done is not None:  # the last admissions' writes land before these
-            compute.wait_stream(arena.stream)
-        self._write(touched, [self._host_addresses[key] for key in touched])
+        if self._side_done is not None:  # the last admissions' writes land before these (and free buffer 1)
+            self._side_done.synchronize()
+        self._write(0, touched, [self._host_addresses[key] for key in touched])
         before = torch.cuda.Event()
         before.record(compute)
         with torch.cuda.stream(arena.stream):
@@ -636,20 +645,25 @@ class MoEExperts:
                 arena.on_device[slot].copy_(arena.host_rows[arena.rows[key]], non_blocking=True)
                 counters.copied_bytes += arena.row_bytes
                 counters.decode_bytes += arena.row_bytes
-            self._write([key for key, _ in placed], [self._slot_addresses[slot] for _, slot in placed])
+            self._write(1, [key for key, _ in placed], [self._slot_addresses[slot] for _, slot in placed])
             self._side_done = torch.cuda.Event()
             self._side_done.record(arena.stream)
         for _, slot in placed:  # an eager step reading the slot waits for its copy
             arena.ready[slot] = self._side_done
         self.table_version = cache.version
 
-    def _write(self, keys: list, entries: list) -> None:
-        """Queue table writes on the current stream (from pinned host tensors kept until the next flush)."""
-        rows = torch.tensor([self._row_of(key) for key in keys], dtype=torch.int64).pin_memory()
-        values = torch.tensor(entries, dtype=torch.int64).pin_memory()
-        self._keep += [rows, values]
-        device = self.table.device
-        self.table.index_copy_(0, rows.to(device, non_blocking=True), values.to(device, non_blocking=True))
+    def _write(self, buffer: int, keys: list, entries: list) -> None:
+        """Queue table writes on the current stream through write buffer `buffer` (its last writes
+        have run: buffer 0's before the replay the caller waited for, buffer 1's before _side_done)."""
+        n = len(keys)
+        if not n:
+            return
+        self._rows_host[buffer, :n] = torch.tensor([self._row_of(key) for key in keys], dtype=torch.int64)
+        self._values_host[buffer, :n] = torch.tensor(entries, dtype=torch.int64)
+        rows, values = self._rows_device[buffer, :n], self._values_device[buffer, :n]
+        rows.copy_(self._rows_host[buffer, :n], non_blocking=True)
+        values.copy_(self._values_host[buffer, :n], non_blocking=True)
+        self.table.index_copy_(0, rows, values)
 
 
 def summarize(cache: ExpertCache, counters: ExpertCounters, store: ExpertStore) -> dict:

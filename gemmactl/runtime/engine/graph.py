@@ -29,14 +29,17 @@ COMPILE_ENV = "GEMMACTL_ENGINE_COMPILE"  # auto (on for CUDA) | on | max (induct
 GRAPH_ENV = "GEMMACTL_ENGINE_GRAPH"  # auto (on for CUDA) | on (forced, also off CUDA where every layer is resident) | off
 
 
-MOE_ENV = "GEMMACTL_ENGINE_MOE"  # auto (table where the experts allow it, else pieces) | table | pieces
+MOE_ENV = "GEMMACTL_ENGINE_MOE"  # pieces (default) | table
 
 
 def moe_table_wanted(model) -> bool:
     """Whether to capture an MoE model's whole step in one graph, its experts found through a
-    device table (graph_moe.TableDecode): where the pieces are wanted and the experts are in the
-    grouped kernel's layout, unless MOE_ENV says pieces."""
-    return (moe_pieces_wanted(model) and os.environ.get(MOE_ENV, "auto").lower() != "pieces"
+    device table (graph_moe.TableDecode): asked for with MOE_ENV=table, where the pieces would be
+    captured and the experts are in the grouped kernel's layout. Not the default: on an H200 at
+    4 GiB (26B-A4B shape) it decoded 22.2 tok/s against the pieces' 28.3 with a uniform router,
+    reading its misses in place at about half the copy engine's rate, and 35.2 against 33.5 with
+    a skewed one (docs/benchmarks.md)."""
+    return (moe_pieces_wanted(model) and os.environ.get(MOE_ENV, "pieces").lower() == "table"
             and model.experts.table_ready())
 
 

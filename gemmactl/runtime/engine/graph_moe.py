@@ -1,8 +1,8 @@
 """The decode step of an MoE model captured in CUDA graphs, one for each stretch between two routing
 decisions.
 
-Which experts a token runs, and whether each is cached, is decided on the host, so an MoE step
-cannot be one graph. Eager, its dense part and its experts pay the host's launches: on an H200 an
+Which experts a token runs, and whether each is cached, is decided on the host, so by default an
+MoE step is not one graph (TableDecode, below, makes it one, at a price in link speed). Eager, its dense part and its experts pay the host's launches: on an H200 an
 eager step of a 26B-A4B-shaped model ran 6.4–9.4 tok/s, and with only the dense parts captured (the
 experts eager between the graphs) 20.1, its 240 experts a token still launched one by one
 (docs/benchmarks.md). Here the step is cut after each MoE layer's router: graph i runs from the
@@ -116,7 +116,10 @@ class TableDecode:
     and the policy's admissions, whose copies run on a side stream beside the next step and whose
     table entries are written when their copies land (MoEExperts.flush). The token's sync is the
     step's only wait for the host. Only where the experts are in the grouped kernel's layout
-    (runtime/engine/kernels.py), on CUDA, every layer resident.
+    (runtime/engine/kernels.py), on CUDA, every layer resident, and asked for
+    (`GEMMACTL_ENGINE_MOE=table`): a miss read in place crosses the link at about half the copy
+    engine's rate, so with a uniform router (26B-A4B shape, 4 GiB, H200) it decoded 22.2 tok/s
+    against the pieces' 28.3; with a skewed one, 35.2 against 33.5 (docs/benchmarks.md).
     """
 
     def __init__(self, model):
