@@ -3,8 +3,8 @@
     python benchmarks/int4_gemv_sweep.py [--shapes e2b,26b-a4b] [--rows 2,4,8,16] [--groups 4,8,16,32]
                                          [--warps 2,4,8] [--budget-s S]
 
-For every int4 matrix shape a decode step of the model runs (groups of 32, as the engine's
-artifacts are written), the Triton kernel in every tile and torch's tinygemm
+For every int4 matrix shape a decode step of the model runs (groups of 32, as the E2B artifacts
+are written), the Triton kernel in every tile and torch's tinygemm
 (`aten._weight_int4pack_mm`, on the same codes repacked) are captured in a CUDA graph over
 distinct copies of the matrix (so no copy sits in L2, as in a real step), replayed, and timed with
 CUDA events; cuBLAS on a bfloat16 copy is timed the same way. Each kernel's output is checked
