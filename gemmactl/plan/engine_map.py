@@ -34,6 +34,12 @@ from gemmactl.sizes import format_size
 
 CHUNK_TOKENS = 256  # the engine's prefill chunk (runtime/engine/backend.CHUNK)
 LINK_LATENCY_S = 10e-6  # one small host↔device copy
+# A captured MoE step waits for the host at each MoE layer (graph_moe.PiecewiseDecode: the router's
+# choice read back, the cache looked up, the layer's copies queued, the next piece launched), and a
+# layer's misses start crossing only then. Fitted to the engine on an H200 (26B-A4B shape, 4 GiB,
+# uniform router): 28.3 and 29.1 tok/s measured where the map without this term predicted 64.3,
+# 0.63 ms a layer over 30 layers (docs/benchmarks.md).
+MOE_LAYER_WAIT_S = 0.63e-3
 # Small buffers (the rope tables: 12 MiB for E4B at 4096) and the freed blocks torch's allocator
 # keeps for reuse (61 MiB at the E4B engine's peak, expandable segments on; benchmarks/engine_memory.py).
 MARGIN_BYTES = 128 << 20
@@ -321,7 +327,8 @@ def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, to
     The prediction assumes routing spread evenly, so the hit rate is the cached share of the
     experts (real routing is skewed: a measured hit rate is higher). A token reads top_k experts
     in each MoE layer: from the cache at GPU bandwidth, or on a miss copied over the link or
-    computed on the CPU, whichever is cheaper (runtime/engine/experts.MissRule).
+    computed on the CPU, whichever is cheaper (runtime/engine/experts.MissRule); and each MoE layer
+    waits for the host once (MOE_LAYER_WAIT_S).
     """
     if not experts:
         return chosen
@@ -336,7 +343,8 @@ def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, to
     reads = top_k * len({layer for layer, _ in experts})
     hit = slots / len(experts)
     copy_s, host_s = stored / profile.host_to_device, 2 * dense / profile.cpu_bandwidth
-    per_token = reads * (hit * one / profile.gpu_bandwidth + (1 - hit) * min(copy_s, host_s))
+    layers = len({layer for layer, _ in experts})
+    per_token = reads * (hit * one / profile.gpu_bandwidth + (1 - hit) * min(copy_s, host_s)) + layers * MOE_LAYER_WAIT_S
     chosen.decode_tok_s = 1.0 / (1.0 / chosen.decode_tok_s + per_token)
     if copy_s <= host_s:
         chosen.link_bytes_per_token += round(reads * (1 - hit) * stored)
