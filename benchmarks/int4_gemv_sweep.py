@@ -217,7 +217,7 @@ def main() -> None:
         if 2 <= per_thread <= 64:
             tiles.append(int4_gemv.Tile(rows, groups, warps, programs))
     os.environ.pop(int4_gemv.TILE_ENV, None)
-    tiles += [t for t in (int4_gemv.TALL_TILE, int4_gemv.WIDE_TILE) if t not in tiles]
+    tiles += [t for t in (int4_gemv.DEFAULT_TILE,) if t not in tiles]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.randn(16384, dtype=torch.bfloat16, device="cuda")
     out = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,

@@ -67,3 +67,24 @@ def test_int4_kernels_in_tritons_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root / "tests"), str(root)])}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_tile_is_the_measured_one_unless_set(monkeypatch):
+    from gemmactl.runtime.engine import int4_gemv
+
+    monkeypatch.delenv(int4_gemv.TILE_ENV, raising=False)
+    int4_gemv.tile_for.cache_clear()
+    assert int4_gemv.tile_for(1408, 2816) == int4_gemv.DEFAULT_TILE
+    monkeypatch.setenv(int4_gemv.TILE_ENV, "8,8,2")
+    int4_gemv.tile_for.cache_clear()
+    assert int4_gemv.tile_for(1408, 2816) == int4_gemv.Tile(8, 8, 2)
+    monkeypatch.setenv(int4_gemv.TILE_ENV, "8,6,2")  # not a power of two
+    int4_gemv.tile_for.cache_clear()
+    with pytest.raises(ValueError, match="powers of two"):
+        int4_gemv.tile_for(1408, 2816)
+    int4_gemv.tile_for.cache_clear()
+    # few row blocks split K into as many parts as give every multiprocessor the tile's programs
+    assert int4_gemv.split(2816, 22, 132, int4_gemv.Tile(4, 16, 4)) == (1, 32)  # 704 row blocks: enough
+    splits, per = int4_gemv.split(256, 48, 132, int4_gemv.Tile(4, 16, 4))
+    assert splits > 1 and per % 16 == 0 and splits * per >= 48
+

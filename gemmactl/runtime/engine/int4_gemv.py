@@ -36,14 +36,16 @@ class Tile(NamedTuple):
     programs_per_sm: int = 4  # fewer row blocks than this per multiprocessor: K is split to make more
 
 
-TALL_ROWS = 16_384
-TALL_TILE = Tile(8, 8, 4)
-WIDE_TILE = Tile(4, 16, 4)
+# benchmarks/int4_gemv_sweep.py on the H200 (49 tiles, every int4 shape of E2B and 26B-A4B, groups
+# of 32): 4 rows × 16 groups × 4 warps was the best single tile over 26B-A4B's shapes and within
+# 1.42× of each shape's best on E2B's (dense matrices run in tinygemm, runtime/engine/kernels.py); the
+# experts' grouped products run in it.
+DEFAULT_TILE = Tile(4, 16, 4)
 
 
 @functools.cache
 def tile_for(out_features: int, in_features: int) -> Tile:
-    """The tile for a matrix: TILE_ENV when set (to measure one), else by its shape."""
+    """The tile for a matrix: TILE_ENV when set (to measure one), else the measured default."""
     setting = os.environ.get(TILE_ENV, "").strip()
     if setting:
         try:
@@ -54,7 +56,7 @@ def tile_for(out_features: int, in_features: int) -> Tile:
             raise ValueError(f"{TILE_ENV}={setting!r}: expected ROWS,GROUPS,WARPS[,PROGRAMS], the first three "
                              "powers of two (e.g. 8,8,4); unset it for the engine's own tiles")
         return tile
-    return TALL_TILE if out_features >= TALL_ROWS else WIDE_TILE
+    return DEFAULT_TILE
 
 
 def split(out_features: int, groups: int, sms: int, tile: Tile) -> tuple[int, int]:
