@@ -7,7 +7,8 @@ llama.cpp's cache types, each against its own backend's full-precision cache.
 Engine: the artifact in bfloat16, every mode run side by side with the bf16 cache over the same
 windows (BOS + `--window` − 1 tokens each), prefilled in chunks of 256 tokens, every position's
 logits compared: mean KL divergence (bf16 cache ‖ mode), top-1 agreement, and the perplexity of
-the text under each. llama.cpp (with --gguf and a build in the store): `llama-perplexity` over
+the text under each, over every position and (`modes_second_half`) over the second half of each
+window, the positions llama-perplexity scores. llama.cpp (with --gguf and a build in the store): `llama-perplexity` over
 the same text and context, f16 K/V first (its logits kept as the KL base), then q8_0 and q4_0
 K and V (flash attention on, which llama.cpp needs for a quantized V): perplexity, mean KL
 divergence and "same top" from its own report. The text: --text, else the GNU GPL 3, GFDL 1.3
@@ -57,7 +58,10 @@ def engine_modes(args, text: str) -> dict:
     with torch.inference_mode():
         models = {mode: GemmaModel(artifact, device="cpu", dtype=torch.bfloat16, context=args.window, kv_mode=mode)
                   for mode in modes}
-    sums = {mode: {"kld": 0.0, "top1": 0, "nll": 0.0} for mode in modes}
+    # Every position, and (as llama-perplexity scores) the second half of each window only.
+    scopes = {"all": 0, "second_half": args.window // 2}
+    sums = {scope: {mode: {"kld": 0.0, "top1": 0, "nll": 0.0} for mode in modes} for scope in scopes}
+    counts = {scope: 0 for scope in scopes}
     count, start = 0, time.perf_counter()
     for window in windows:
         tokens = torch.tensor([tokenizer.bos_token_id, *window])
@@ -71,29 +75,42 @@ def engine_modes(args, text: str) -> dict:
                 reference = None
                 for mode, model in models.items():
                     logp = torch.log_softmax(model.step(chunk, positions, stop, all_logits=True), -1)[:len(targets)]
-                    nll = -logp.gather(1, targets.unsqueeze(1)).sum()
+                    nll = -logp.gather(1, targets.unsqueeze(1))[:, 0]  # [n]
                     if reference is None:
                         reference = logp
+                        kld = top1 = None
                     else:
-                        sums[mode]["kld"] += float((reference.exp() * (reference - logp)).sum())
-                        sums[mode]["top1"] += int((reference.argmax(-1) == logp.argmax(-1)).sum())
-                    sums[mode]["nll"] += float(nll)
+                        kld = (reference.exp() * (reference - logp)).sum(-1)  # [n]
+                        top1 = reference.argmax(-1) == logp.argmax(-1)
+                    for scope, first in scopes.items():
+                        keep = positions[:len(targets)] >= first
+                        sums[scope][mode]["nll"] += float(nll[keep].sum())
+                        if kld is not None:
+                            sums[scope][mode]["kld"] += float(kld[keep].sum())
+                            sums[scope][mode]["top1"] += int(top1[keep].sum())
+            for scope, first in scopes.items():
+                counts[scope] += int((positions[:len(targets)] >= first).sum())
             count += len(targets)
         print(f"window done: {count} positions, {time.perf_counter() - start:.0f} s", file=sys.stderr)
     head_dims = sorted({cache.head_dim for cache in models["bf16"].caches.values()})
-    rows = {}
-    for mode in modes:
-        s = sums[mode]
-        rows[mode] = {"perplexity": math.exp(s["nll"] / count),
-                      "compression": round(min(compression(mode, d) for d in head_dims), 2),
-                      "kv_bytes": sum(c.nbytes() for c in models[mode].caches.values())}
-        if mode != "bf16":
-            rows[mode].update(kld_mean=s["kld"] / count, top1_agreement=s["top1"] / count)
-    base = rows["bf16"]["perplexity"]
-    for row in rows.values():
-        row["perplexity_delta_pct"] = round(100 * (row["perplexity"] / base - 1), 3)
-    return {"positions": count, "windows": len(windows), "window": args.window, "seconds": time.perf_counter() - start,
-            "modes": rows}
+    result = {"positions": count, "windows": len(windows), "window": args.window,
+              "seconds": time.perf_counter() - start}
+    for scope in scopes:
+        rows, n = {}, counts[scope]
+        for mode in modes:
+            s = sums[scope][mode]
+            rows[mode] = {"perplexity": math.exp(s["nll"] / n),
+                          "compression": round(min(compression(mode, d) for d in head_dims), 2),
+                          "kv_bytes": sum(c.nbytes() for c in models[mode].caches.values())}
+            if mode != "bf16":
+                rows[mode].update(kld_mean=s["kld"] / n, top1_agreement=s["top1"] / n)
+        base = rows["bf16"]["perplexity"]
+        for row in rows.values():
+            row["perplexity_delta_pct"] = round(100 * (row["perplexity"] / base - 1), 3)
+        # "modes": every position (as before); "modes_second_half": the positions llama-perplexity scores
+        result["modes" if scope == "all" else "modes_second_half"] = rows
+        result["positions" if scope == "all" else "positions_second_half"] = n
+    return result
 
 
 def llama_cpp_types(args, text: str) -> dict:
