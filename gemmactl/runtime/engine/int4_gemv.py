@@ -21,10 +21,12 @@ blocks split K. Custom ops, so torch.compile keeps them whole and a CUDA graph r
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
+
+from gemmactl.runtime.engine.gemv_common import available, split_k, tile_setting  # noqa: F401 (available: kernels.py)
+from gemmactl.runtime.engine.gemv_common import sms as _sms
 
 TILE_ENV = "GEMMACTL_INT4_TILE"  # "ROWS,GROUPS,WARPS[,PROGRAMS]": one tile for every shape, to measure one
 
@@ -46,27 +48,14 @@ DEFAULT_TILE = Tile(4, 16, 4)
 @functools.cache
 def tile_for(out_features: int, in_features: int) -> Tile:
     """The tile for a matrix: TILE_ENV when set (to measure one), else the measured default."""
-    setting = os.environ.get(TILE_ENV, "").strip()
-    if setting:
-        try:
-            tile = Tile(*(int(v) for v in setting.split(",")))
-        except (TypeError, ValueError):
-            tile = None
-        if tile is None or not all(v > 0 and v & (v - 1) == 0 for v in tile[:3]) or tile.programs_per_sm < 1:
-            raise ValueError(f"{TILE_ENV}={setting!r}: expected ROWS,GROUPS,WARPS[,PROGRAMS], the first three "
-                             "powers of two (e.g. 8,8,4); unset it for the engine's own tiles")
-        return tile
-    return DEFAULT_TILE
+    forced = tile_setting(TILE_ENV, Tile, "ROWS,GROUPS,WARPS[,PROGRAMS]", "8,8,4")
+    return DEFAULT_TILE if forced is None else forced
 
 
 def split(out_features: int, groups: int, sms: int, tile: Tile) -> tuple[int, int]:
     """(splits, groups per split): too few row blocks to give every multiprocessor the tile's
     programs splits K, and the partial sums are added after."""
-    row_blocks = -(-out_features // tile.rows)
-    tiles = -(-groups // tile.groups)
-    splits = max(1, min(tiles, -(-tile.programs_per_sm * sms // row_blocks)))
-    per = -(-tiles // splits) * tile.groups
-    return -(-groups // per), per
+    return split_k(out_features, tile.rows, groups, tile.groups, sms, tile.programs_per_sm)
 
 
 @functools.cache
@@ -78,18 +67,6 @@ def _kernels():
     from gemmactl.runtime.engine import int4_triton as k
 
     return triton, k.int4_gemv, k.int4_gemv_grouped, k.int4_dequantize
-
-
-def _sms(device: torch.device) -> int:
-    """The device's multiprocessors (1 off CUDA: Triton's interpreter)."""
-    if device.type != "cuda":
-        return 1
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @torch.library.custom_op("gemmactl::int4_gemv", mutates_args=())
@@ -157,14 +134,3 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         qweight, scales, zeros, w, out_features, in_features, groups, qweight.stride(0), scales.stride(0), w.stride(0),
         BLOCK_N=rows, BLOCK_G=block_groups, GROUP=group, num_warps=4)
     return w
-
-
-def available(device) -> bool:
-    """Whether the kernel can run on device (CUDA with Triton importable)."""
-    if torch.device(device).type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -17,10 +17,12 @@ step and the CUDA graph replays it.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
+
+from gemmactl.runtime.engine.gemv_common import available, split_k, tile_setting  # noqa: F401 (available: kernels.py)
+from gemmactl.runtime.engine.gemv_common import sms as _sms
 
 TILE_ENV = "GEMMACTL_INT8_TILE"  # "ROWS,COLS,WARPS[,PROGRAMS]": one tile for every shape, to measure one
 
@@ -45,16 +47,9 @@ WIDE_TILE = Tile(2, 2048, 4)
 @functools.cache
 def tile_for(out_features: int, in_features: int) -> Tile:
     """The tile for a matrix: TILE_ENV when set (to measure one), else by its shape."""
-    setting = os.environ.get(TILE_ENV, "").strip()
-    if setting:
-        try:
-            tile = Tile(*(int(v) for v in setting.split(",")))
-        except (TypeError, ValueError):
-            tile = None
-        if tile is None or not all(v > 0 and v & (v - 1) == 0 for v in tile[:3]) or tile.programs_per_sm < 1:
-            raise ValueError(f"{TILE_ENV}={setting!r}: expected ROWS,COLS,WARPS[,PROGRAMS], the first three "
-                             "powers of two (e.g. 8,256,2); unset it for the engine's own tiles")
-        return tile
+    forced = tile_setting(TILE_ENV, Tile, "ROWS,COLS,WARPS[,PROGRAMS]", "8,256,2")
+    if forced is not None:
+        return forced
     return TALL_TILE if out_features >= TALL_ROWS else WIDE_TILE
 
 
@@ -91,23 +86,7 @@ def split(out_features: int, in_features: int, sms: int, tile: Tile | None = Non
     """(splits, columns per split): a matrix with too few row blocks to give every multiprocessor
     the tile's programs (v_proj, down_proj) splits K, and its partial sums are added after."""
     tile = tile or tile_for(out_features, in_features)
-    row_blocks = -(-out_features // tile.rows)
-    tiles = -(-in_features // tile.cols)
-    splits = max(1, min(tiles, -(-tile.programs_per_sm * sms // row_blocks)))
-    per = -(-tiles // splits) * tile.cols
-    return -(-in_features // per), per
-
-
-def _sms(device: torch.device) -> int:
-    """The device's multiprocessors (1 off CUDA: Triton's interpreter)."""
-    if device.type != "cuda":
-        return 1
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return split_k(out_features, tile.rows, in_features, tile.cols, sms, tile.programs_per_sm)
 
 
 @torch.library.custom_op("gemmactl::int8_rows_gemv", mutates_args=())
@@ -130,14 +109,3 @@ def int8_rows_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor)
 @int8_rows_gemv.register_fake
 def _(x, qweight, scales):
     return x.new_empty(qweight.shape[0])
-
-
-def available(device) -> bool:
-    """Whether the kernel can run on device (CUDA with Triton importable)."""
-    if torch.device(device).type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -35,7 +35,7 @@ import os
 KERNEL_ENV = "GEMMACTL_ENGINE_KERNEL"  # auto | dense: force dense weights (for measurements)
 INT8_ENV = "GEMMACTL_ENGINE_INT8"  # rows (default) | dense: int8 rows kept as int8, or as bfloat16 copies
 INT4_ENV = "GEMMACTL_ENGINE_INT4"  # auto (experts as stored, the rest tinygemm) | groups (all as stored) | tinygemm (all)
-INT8_BLOCK_VALUES = 1 << 22  # values Int8Linear's block path dequantizes at once (about 24 MB of temporaries)
+INT8_BLOCK_VALUES = 1 << 22  # values a block path (several tokens) dequantizes at once (about 24 MB of temporaries)
 INNER_K_TILES = 8
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 
@@ -122,18 +122,10 @@ class Int4GroupsLinear(Linear):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _blocks(self, flat):
-        import torch
-        import torch.nn.functional as F
-
         from gemmactl.runtime.engine.int4_gemv import dequantize
 
-        out = torch.empty((flat.shape[0], self.out_features), dtype=flat.dtype, device=flat.device)
-        step = max(1, INT8_BLOCK_VALUES // max(self.in_features, 1))
-        for start in range(0, self.out_features, step):
-            rows = slice(start, start + step)
-            weight = dequantize(self.qweight[rows], self.scales[rows], self.zeros[rows], self.in_features, flat.dtype)
-            out[:, rows] = F.linear(flat, weight)
-        return out
+        return _in_row_blocks(flat, self, lambda rows: dequantize(self.qweight[rows], self.scales[rows],
+                                                                  self.zeros[rows], self.in_features, flat.dtype))
 
     def tensors(self) -> dict:
         return {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}
@@ -163,23 +155,28 @@ class Int8Linear(Linear):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _blocks(self, flat):
-        """cuBLAS on a block of rows at a time, dequantized to the input's dtype (bounded temporaries)."""
-        import torch
-        import torch.nn.functional as F
-
-        out = torch.empty((flat.shape[0], self.out_features), dtype=flat.dtype, device=flat.device)
-        step = max(1, INT8_BLOCK_VALUES // max(self.in_features, 1))
-        for start in range(0, self.out_features, step):
-            rows = slice(start, start + step)
-            weight = (self.qweight[rows].float() * self.scales[rows].float().unsqueeze(1)).to(flat.dtype)
-            out[:, rows] = F.linear(flat, weight)
-        return out
+        return _in_row_blocks(flat, self, lambda rows: (self.qweight[rows].float()
+                                                        * self.scales[rows].float().unsqueeze(1)).to(flat.dtype))
 
     def tensors(self) -> dict:
         return {"qweight": self.qweight, "scales": self.scales}
 
     def with_tensors(self, tensors: dict) -> "Int8Linear":
         return Int8Linear(tensors["qweight"], tensors["scales"])
+
+
+def _in_row_blocks(flat, linear: Linear, decode_rows):
+    """flat [T, in] times a quantized matrix, decoded a block of rows at a time (decode_rows(slice) →
+    [rows, in] in flat's dtype) into cuBLAS: the temporaries stay bounded (INT8_BLOCK_VALUES)."""
+    import torch
+    import torch.nn.functional as F
+
+    out = torch.empty((flat.shape[0], linear.out_features), dtype=flat.dtype, device=flat.device)
+    step = max(1, INT8_BLOCK_VALUES // max(linear.in_features, 1))
+    for start in range(0, linear.out_features, step):
+        rows = slice(start, start + step)
+        out[:, rows] = F.linear(flat, decode_rows(rows))
+    return out
 
 
 def int8_rows_kept() -> bool:
