@@ -34,6 +34,7 @@ import os
 
 KERNEL_ENV = "GEMMACTL_ENGINE_KERNEL"  # auto | dense: force dense weights (for measurements)
 INT8_ENV = "GEMMACTL_ENGINE_INT8"  # rows (default) | dense: int8 rows kept as int8, or as bfloat16 copies
+JOIN_ENV = "GEMMACTL_ENGINE_JOIN"  # auto (on CUDA) | on | off: q+k(+v), gate+up as one product
 INT4_ENV = "GEMMACTL_ENGINE_INT4"  # auto (experts as stored, the rest tinygemm) | groups (all as stored) | tinygemm (all)
 INT8_BLOCK_VALUES = 1 << 22  # values a block path (several tokens) dequantizes at once (about 24 MB of temporaries)
 INNER_K_TILES = 8
@@ -163,6 +164,47 @@ class Int8Linear(Linear):
 
     def with_tensors(self, tensors: dict) -> "Int8Linear":
         return Int8Linear(tensors["qweight"], tensors["scales"])
+
+
+def join_linears(parts: list) -> Linear | None:
+    """One matrix whose outputs are the parts' outputs side by side (q and k, gate and up: the same
+    input), so one kernel call replaces several; None where they do not share a kernel and its
+    settings. Every part's rows are kept as they are: tinygemm's layout tiles the output rows in
+    blocks of 8 (`_convert_weight_to_int4pack` gives [out/8, ...]) and every part's rows are a
+    multiple of 8 (_tinygemm_fits), so the joined codes are the parts' codes one after the other and
+    the joined product is the parts' products side by side (tests/test_engine_join.py holds it on
+    the GPU). On the H200 a 6,144×1,536 int4 matrix took 6.9 µs and a 12,288×1,536 one 10.2
+    (benchmarks/int4_gemv_sweep.py): at decode sizes a launch and its last wave cost about as much
+    as the bytes, so two matrices read in one call take about 70% of the time of two calls."""
+    import torch
+
+    first = parts[0]
+    if len(parts) < 2 or any(type(p) is not type(first) or p.in_features != first.in_features for p in parts):
+        return None
+    out = sum(p.out_features for p in parts)
+    if isinstance(first, Int4Linear):
+        if any(p.group_size != first.group_size or p.columns != first.columns for p in parts):
+            return None
+        return Int4Linear(torch.cat([p.packed for p in parts]), torch.cat([p.scales_and_zeros for p in parts], dim=1),
+                          first.group_size, out, first.in_features, first.columns)
+    if isinstance(first, Int4GroupsLinear):
+        if any(p.group_size != first.group_size for p in parts):
+            return None
+        return Int4GroupsLinear(*(torch.cat([getattr(p, name) for p in parts]) for name in ("qweight", "scales", "zeros")),
+                                first.in_features)
+    if isinstance(first, Int8Linear):
+        return Int8Linear(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]))
+    if type(first) is Linear and all(p.weight.dtype == first.weight.dtype for p in parts):
+        return Linear(torch.cat([p.weight for p in parts]))
+    return None
+
+
+def joining(device) -> bool:
+    """Whether the engine joins matrices of one input (JOIN_ENV): by default on CUDA, where a
+    decode step is launches of small products; on the CPU each part stays its own product, so the
+    CPU's numbers stay the dense reference's operation for operation."""
+    setting = os.environ.get(JOIN_ENV, "auto").lower()
+    return setting == "on" or (setting == "auto" and str(device).startswith("cuda"))
 
 
 def _in_row_blocks(flat, linear: Linear, decode_rows):

@@ -20,12 +20,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from gemmactl.runtime.engine.kernels import Linear, RepackCache, make_linear
+from gemmactl.runtime.engine.kernels import Linear, RepackCache, join_linears, joining, make_linear
 from gemmactl.runtime.engine.kv import KVCache, make_cache
 from gemmactl.runtime.engine.ops import rms_norm
 from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
 from gemmactl.runtime.engine.streaming import LayerStreamer, StagedLayer
 from gemmactl.runtime.engine.spec import SLIDING, LayerSpec, ModelSpec, model_spec, rope_tables, score_rows
+
+
+GATE_UP = "gate+up"  # an MLP's gate and up joined into one product (Layer.join)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,6 +62,15 @@ class Attention:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     v_norm: bool  # Gemma 4 normalizes values (without a scale)
+    joined: Linear | None = None  # q with k (and v) as one product (kernels.join_linears); those parts are then None
+    joined_parts: tuple = ()  # the parts it holds, in order: ("q", "k") or ("q", "k", "v")
+
+    def projections(self, h: torch.Tensor, sizes: dict) -> dict:
+        """q, k and v of h [T, H] by name (those the layer has), each [T, sizes[name]]."""
+        found = {name: linear(h) for name, linear in (("q", self.q), ("k", self.k), ("v", self.v)) if linear is not None}
+        if self.joined is not None:
+            found.update(zip(self.joined_parts, self.joined(h).split([sizes[p] for p in self.joined_parts], dim=-1)))
+        return found
 
 
 class Layer:
@@ -76,14 +88,35 @@ class Layer:
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The dense MLP (an MoE block replaces this callable)."""
-        gate = F.gelu(self.mlp["gate"](x), approximate="tanh")
-        return self.mlp["down"](gate * self.mlp["up"](x))
+        if GATE_UP in self.mlp:
+            gate, up = self.mlp[GATE_UP](x).chunk(2, dim=-1)
+        else:
+            gate, up = self.mlp["gate"](x), self.mlp["up"](x)
+        return self.mlp["down"](F.gelu(gate, approximate="tanh") * up)
+
+    def join(self) -> "Layer":
+        """The layer with the matrices that read one input joined into one product each where their
+        kernels allow (kernels.join_linears): q with k (and v), gate with up."""
+        a = self.attn
+        parts = tuple(name for name, linear in (("q", a.q), ("k", a.k), ("v", a.v)) if linear is not None)
+        joined = join_linears([getattr(a, name) for name in parts]) if len(parts) > 1 else None
+        if joined is None and len(parts) == 3:  # v in another kernel (int8 rows): q with k alone
+            parts = parts[:2]
+            joined = join_linears([a.q, a.k])
+        if joined is not None:
+            left = {name: (None if name in parts else getattr(a, name)) for name in ("q", "k", "v")}
+            self.attn = replace(a, **left, joined=joined, joined_parts=parts)
+        if "gate" in self.mlp and "up" in self.mlp:
+            gate_up = join_linears([self.mlp["gate"], self.mlp["up"]])
+            if gate_up is not None:
+                self.mlp = {GATE_UP: gate_up, "down": self.mlp["down"]}
+        return self
 
     def linears(self) -> dict:
         """Every matrix of the layer by name (what placement moves)."""
         a, found = self.attn, {}
-        for name, linear in (("q", a.q), ("k", a.k), ("v", a.v), ("o", a.o), *self.mlp.items(),
-                             *((f"per_layer_{k}", v) for k, v in (self.per_layer or {}).items())):
+        for name, linear in (("q", a.q), ("k", a.k), ("v", a.v), ("+".join(a.joined_parts), a.joined), ("o", a.o),
+                             *self.mlp.items(), *((f"per_layer_{k}", v) for k, v in (self.per_layer or {}).items())):
             if linear is not None:
                 found[name] = linear
         return found
@@ -91,7 +124,9 @@ class Layer:
     def with_linears(self, linears: dict) -> "Layer":
         """The same layer with its matrices held elsewhere (None: without them)."""
         get = linears.get
-        attn = Attention(get("q"), get("k"), get("v"), get("o"), self.attn.q_norm, self.attn.k_norm, self.attn.v_norm)
+        joined = get("+".join(self.attn.joined_parts)) if self.attn.joined_parts else None
+        attn = Attention(get("q"), get("k"), get("v"), get("o"), self.attn.q_norm, self.attn.k_norm, self.attn.v_norm,
+                         joined, self.attn.joined_parts)
         mlp = {key: get(key) for key in self.mlp}
         per_layer = {key: get(f"per_layer_{key}") for key in self.per_layer} if self.per_layer is not None else None
         return Layer(self.spec, attn, self.norms, mlp, per_layer, self.layer_scalar, self.moe)
@@ -225,7 +260,8 @@ class GemmaModel:
                       "per_expert_scale": self.artifact.load_tensor(self._name(p + "router.per_expert_scale"), device,
                                                                     self.dtype)}
             moe = self.experts.block(spec.index, router)
-        return Layer(spec, attn, norms, mlp, per_layer, scalar, moe)
+        layer = Layer(spec, attn, norms, mlp, per_layer, scalar, moe)
+        return layer.join() if joining(device) else layer
 
     def _experts(self, settings):
         """The MoE layers' expert store, device cache and counters (runtime/engine/experts.py)."""
@@ -339,12 +375,14 @@ class GemmaModel:
         s, a, eps = layer.spec, layer.attn, self.spec.eps
         cos, sin = rope
         t = h.shape[0]
-        q = a.q(h).view(t, s.heads, s.head_dim)  # [T, N, D]
+        width = s.kv_heads * s.head_dim
+        found = a.projections(h, {"q": s.heads * s.head_dim, "k": width, "v": width})
+        q = found["q"].reshape(t, s.heads, s.head_dim)  # [T, N, D]
         q = rotate(rms_norm(q, a.q_norm, eps), cos, sin)
         cache = self.caches[s.kv_from]  # a shared cache may live on the other device
         if s.owns_kv:
-            k = a.k(h).view(t, s.kv_heads, s.head_dim)  # [T, K, D]
-            v = a.v(h).view(t, s.kv_heads, s.head_dim) if a.v is not None else k
+            k = found["k"].reshape(t, s.kv_heads, s.head_dim)  # [T, K, D]
+            v = found["v"].reshape(t, s.kv_heads, s.head_dim) if "v" in found else k
             k = rotate(rms_norm(k, a.k_norm, eps), cos, sin)
             if a.v_norm:
                 v = rms_norm(v, None, eps)
