@@ -99,6 +99,35 @@ def test_modes_in_the_engine_chunked_or_not_and_their_distance_from_bf16(artifac
     assert 0 < kld["int8"] < kld["tq4"] < kld["tq3"], kld
 
 
+@pytest.mark.parametrize("kind", ["gemma3-tiny", "shared-kv"])
+@pytest.mark.parametrize("mode", ["int8", "tq4"])
+@pytest.mark.parametrize("bounded", [True, False])
+def test_a_quantized_cache_read_by_blocks_attends_as_one_read(artifacts, kind, mode, bounded, monkeypatch):
+    """Attention over a quantized cache longer than a read block goes block by block with a running
+    softmax: the same greedy tokens as one read of the whole cache, logits within float rounding,
+    prefill in chunks and decode, reading only the written slots or every slot (as a captured step
+    does); and the read never holds more than a block decoded."""
+    from gemmactl.runtime.engine import kv_modes
+    from gemmactl.runtime.engine.model import GemmaModel
+
+    artifact = artifacts(kind)
+    prompt = (PROMPT * 5)[:37]
+    engine = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64, kv_mode=mode)
+    whole = engine_greedy(engine, prompt, 12, chunk=17, bounded=bounded)
+    cache = next(c for c in engine.caches.values() if not c.ring)
+    monkeypatch.setattr(kv_modes, "READ_BLOCK_BYTES", 7 * cache.kv_heads * cache.head_dim * kv_modes.READ_TEMP_BYTES)
+    assert cache.read_block == 7 < len(prompt)
+    decoded = []
+    read_range = type(cache).read_range
+    monkeypatch.setattr(type(cache), "read_range",
+                        lambda self, start, stop: decoded.append((stop - start, self.read_block))
+                        or read_range(self, start, stop))
+    blocks = engine_greedy(engine, prompt, 12, chunk=17, bounded=bounded)
+    assert (7, 7) in decoded and all(n <= block for n, block in decoded)
+    assert blocks[0] == whole[0]
+    assert (blocks[1] - whole[1]).abs().max() <= TOLERANCE * whole[1].abs().max()
+
+
 def test_yarn_equals_transformers_yarn_on_a_tiny_gemma3(artifacts):
     """The engine with a YaRN factor on its global layers gives the logits and greedy tokens of
     transformers' Gemma 3 configured with the same YaRN rope, past the original context."""
@@ -186,13 +215,14 @@ def test_llama_cpp_plans_size_the_kv_for_the_cache_type(embedded_gguf, model_hom
                                         ("e4b-tiny", None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_tables_equal_transformers_rotary_modules(artifacts, kind, yarn, dtype):
-    """The engine's cos/sin tables, made from transformers' rope functions alone, equal its Gemma 3
+    """The engine's cos/sin rows, made from transformers' rope functions alone, equal its Gemma 3
     and Gemma 4 rotary modules' output bit for bit: every layer kind (Gemma 4's proportional rope
-    on global layers with their own head dimension), with and without YaRN, in both dtypes."""
+    on global layers with their own head dimension), with and without YaRN, in both dtypes; for a
+    whole table and for the scattered positions of a step (what the engine makes each step)."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
-    from gemmactl.runtime.engine.spec import hf_text_config, rope_tables, yarn_config
+    from gemmactl.runtime.engine.spec import hf_text_config, rope_frequencies, rope_rows, rope_tables, yarn_config
 
     config = artifacts(kind).config
     hf = hf_text_config(yarn_config(config, yarn) if yarn else config)
@@ -202,4 +232,9 @@ def test_rope_tables_equal_transformers_rotary_modules(artifacts, kind, yarn, dt
     assert set(tables) == set(hf.layer_types)
     for kind_name, (cos, sin) in tables.items():
         want_cos, want_sin = rotary(torch.zeros(1, dtype=dtype), torch.arange(length).unsqueeze(0), kind_name)
+        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), kind_name
+    positions = torch.tensor([7, length - 1, 0, 150, 151])
+    for kind_name, (inv_freq, scaling) in rope_frequencies(config, yarn).items():
+        cos, sin = rope_rows(positions, inv_freq, scaling, dtype)
+        want_cos, want_sin = rotary(torch.zeros(1, dtype=dtype), positions.unsqueeze(0), kind_name)
         assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), kind_name

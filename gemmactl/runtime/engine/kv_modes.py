@@ -23,6 +23,35 @@ _BITS = {"int8": 8, "tq4": 4, "tq3": 3}
 LLAMACPP_VALUE_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
 
+# Attention reads a quantized cache a block of slots at a time (runtime/engine/model.py: the block's
+# keys and values decoded, its scores folded into a running softmax), so neither the decoded cache
+# nor the decoding's temporaries (codes as int64 indices, their levels and the scaled levels in
+# float32: 16 bytes an element) are ever held whole. A block's temporaries stay under
+# READ_BLOCK_BYTES. Decoded whole, one read of an E4B-shaped global layer at 32K (2 heads of 512)
+# held about 400 MB, which broke a 4 GiB budget, and the decoded keys and values alone cost as much
+# device memory per token as tq4 saved.
+READ_TEMP_BYTES = 16
+READ_BLOCK_BYTES = 32 << 20
+
+
+def read_block_slots(kv_heads: int, head_dim: int) -> int:
+    """Slots a quantized cache decodes at once."""
+    return max(1, READ_BLOCK_BYTES // max(kv_heads * head_dim * READ_TEMP_BYTES, 1))
+
+
+def read_bytes(mode: str | None, slots: int, heads: int, kv_heads: int, head_dim: int, rows: int,
+               dtype_bytes: int = 2) -> int:
+    """Device bytes one attention read of a layer's cache by `rows` query rows holds besides the
+    cache: none for bf16 (views of its buffers); for the quantized modes one block's keys and
+    values decoded and their temporaries, its scores (8 bytes each, as spec.SCORE_BYTES) and the
+    running softmax's float32 sums."""
+    if (mode or DEFAULT_MODE) == "bf16":
+        return 0
+    block = min(slots, read_block_slots(kv_heads, head_dim))
+    return (block * kv_heads * head_dim * (2 * dtype_bytes + READ_TEMP_BYTES) + rows * heads * block * 8
+            + rows * heads * (head_dim + 2) * 4 * 2)
+
+
 def vector_bytes(mode: str, head_dim: int, dtype_bytes: int = 2) -> int:
     """Bytes one key or value vector of head_dim coordinates takes in the engine's cache."""
     if mode == "bf16":

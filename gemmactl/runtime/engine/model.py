@@ -25,7 +25,7 @@ from gemmactl.runtime.engine.kv import KVCache, make_cache
 from gemmactl.runtime.engine.ops import rms_norm
 from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
 from gemmactl.runtime.engine.streaming import LayerStreamer, StagedLayer
-from gemmactl.runtime.engine.spec import SLIDING, LayerSpec, ModelSpec, model_spec, rope_tables, score_rows
+from gemmactl.runtime.engine.spec import SLIDING, LayerSpec, ModelSpec, model_spec, rope_frequencies, rope_rows, score_rows
 
 
 GATE_UP = "gate+up"  # an MLP's gate and up joined into one product (Layer.join)
@@ -191,9 +191,10 @@ class GemmaModel:
                 self.caches[layer.index] = make_cache(kv_mode, slots, layer.kv_heads, layer.head_dim, ring, dtype, home,
                                                       seed=layer.index)
         self.kv_mode = kv_mode or "bf16"
-        tables = rope_tables(artifact.config, context, dtype, yarn=yarn)
+        frequencies = rope_frequencies(artifact.config, yarn=yarn)
         self.devices = [self.device] + ([self.host] if HOST in self.where and self.host != self.device else [])
-        self.rope = {dev: {kind: (cos.to(dev), sin.to(dev)) for kind, (cos, sin) in tables.items()}
+        # Each step makes its positions' rope rows (spec.rope_rows): no table grows with the context.
+        self.rope = {dev: {kind: (inv_freq.to(dev), scaling) for kind, (inv_freq, scaling) in frequencies.items()}
                      for dev in self.devices}
 
     # -- weights ---------------------------------------------------------------------------------
@@ -329,8 +330,8 @@ class GemmaModel:
         here = {}
         for dev in self.devices:
             at = positions.to(dev)
-            here[dev] = (at, {kind: (cos.index_select(0, at), sin.index_select(0, at))
-                              for kind, (cos, sin) in self.rope[dev].items()},
+            here[dev] = (at, {kind: rope_rows(at, inv_freq, scaling, self.dtype)
+                              for kind, (inv_freq, scaling) in self.rope[dev].items()},
                          per_layer_inputs.to(dev) if per_layer_inputs is not None else None)
         if self.streamer is not None:
             self.streamer.begin()
@@ -402,6 +403,8 @@ class GemmaModel:
                 return self._scores(layer, q, *keys, positions, cache.rotation, cache.value_offset)
             cache.write(k, v, positions)
         held = cache.slots if end is None else min(cache.slots, end)  # a ring fills slots 0.. first
+        if cache.mode != "bf16" and held > cache.read_block:
+            return self._scores_by_blocks(layer, q, cache, held, positions)
         (k, v), key_positions = cache.read(held), cache.pos[:held]
         rotation, offset = cache.rotation, cache.value_offset
         if k.device != q.device:
@@ -424,16 +427,50 @@ class GemmaModel:
         else:
             out = torch.cat([self._attend(s, q[i:i + rows], k, v, key_positions, positions[i:i + rows])
                              for i in range(0, t, rows)])
+        return self._attended(layer, out, rotation, offset)
+
+    def _attended(self, layer: Layer, out: torch.Tensor, rotation, offset) -> torch.Tensor:
+        """Attention's output [T, K, g, D] with the values' centre added back, turned back from the
+        cache's rotation, projected: [T, N·D]."""
+        s, t = layer.spec, out.shape[0]
         if offset is not None:
             out = out + offset[None, :, None, :]
         if rotation is not None:
             out = out @ rotation.T
         return layer.attn.o(out.reshape(t, s.heads * s.head_dim))  # [T, N·D] projected
 
-    def _attend(self, s, q, k, v, key_positions, positions) -> torch.Tensor:
-        """[T, K, g, D]: the attention of query rows q [T, N, D] at positions [T] over the keys."""
-        spec, t, groups = self.spec, q.shape[0], s.heads // s.kv_heads
+    def _scores_by_blocks(self, layer: Layer, q, cache, held: int, positions) -> torch.Tensor:
+        """_scores over a quantized cache read a block of slots at a time (cache.read_block): each
+        block decoded, its scores folded into a running softmax (the running maximum, the sum of
+        the weights and the weighted values in float32), so the decoded cache is never held whole
+        (kv_modes.READ_BLOCK_BYTES). The same attention as _scores up to float rounding: the
+        weights are normalized at the end, not before they meet the values."""
+        s, t, groups = layer.spec, q.shape[0], layer.spec.heads // layer.spec.kv_heads
+        rotation = cache.rotation.to(q.device) if cache.rotation is not None else None
+        offset = cache.value_offset.to(q.device)
+        if rotation is not None:
+            q = q @ rotation
         qg = q.reshape(t, s.kv_heads, groups, s.head_dim)  # [T, K, g, D]
+        most = torch.full((t, s.kv_heads, groups), -torch.inf, dtype=torch.float32, device=q.device)
+        total = torch.zeros((t, s.kv_heads, groups), dtype=torch.float32, device=q.device)
+        summed = torch.zeros((t, s.kv_heads, groups, s.head_dim), dtype=torch.float32, device=q.device)
+        for start in range(0, held, cache.read_block):
+            stop = min(held, start + cache.read_block)
+            k, v = (x.to(q.device) for x in cache.read_range(start, stop))
+            scores = self._masked_scores(s, qg, k, cache.pos[start:stop].to(q.device), positions).float()
+            new_most = torch.maximum(most, scores.amax(-1))
+            weights = torch.exp(scores - new_most[..., None])  # [T, K, g, B]
+            kept = torch.exp(most - new_most)
+            total = total * kept + weights.sum(-1)
+            summed = summed * kept[..., None] + torch.einsum("tkgs,skd->tkgd", weights.to(q.dtype), v).float()
+            most = new_most
+        out = (summed / total[..., None]).to(q.dtype)  # [T, K, g, D]
+        return self._attended(layer, out, rotation, offset)
+
+    def _masked_scores(self, s, qg, k, key_positions, positions) -> torch.Tensor:
+        """q·k scaled (soft-capped where the model does), unseen keys at the dtype's minimum:
+        [T, K, g, S] for query rows qg [T, K, g, D] at positions [T]."""
+        spec = self.spec
         scores = torch.einsum("tkgd,skd->tkgs", qg, k) * spec.query_scale  # [T, K, g, S]
         if spec.attn_softcap:
             scores = torch.tanh(scores / spec.attn_softcap) * spec.attn_softcap
@@ -441,7 +478,13 @@ class GemmaModel:
         seen &= key_positions[None, :] >= 0
         if s.kind == SLIDING and spec.window:
             seen &= key_positions[None, :] > positions[:, None] - spec.window
-        scores = scores.masked_fill(~seen[:, None, None, :], torch.finfo(scores.dtype).min)
+        return scores.masked_fill(~seen[:, None, None, :], torch.finfo(scores.dtype).min)
+
+    def _attend(self, s, q, k, v, key_positions, positions) -> torch.Tensor:
+        """[T, K, g, D]: the attention of query rows q [T, N, D] at positions [T] over the keys."""
+        t, groups = q.shape[0], s.heads // s.kv_heads
+        qg = q.reshape(t, s.kv_heads, groups, s.head_dim)  # [T, K, g, D]
+        scores = self._masked_scores(s, qg, k, key_positions, positions)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.einsum("tkgs,skd->tkgd", weights, v)  # [T, K, g, D]
 

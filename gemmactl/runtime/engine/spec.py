@@ -154,21 +154,18 @@ def yarn_config(config: dict, factor: float) -> dict:
     return {**config, "rope_parameters": params, "max_position_embeddings": int(hf.max_position_embeddings * factor)}
 
 
-def rope_tables(config: dict, length: int, dtype, device="cpu", yarn: float | None = None) -> dict:
-    """cos and sin per layer kind for positions 0..length-1: {kind: (cos [length, D], sin [length, D])}.
+def rope_frequencies(config: dict, yarn: float | None = None) -> dict:
+    """The rope of each layer kind: {kind: (inverse frequencies, float32 [D/2]; attention scaling)}.
 
-    Computed as transformers' rotary modules for Gemma 3 and 4 compute them: the inverse
-    frequencies from its own rope functions (default, Gemma 4's proportional partial rope, linear
-    or YaRN scaling), each layer kind with its own head dimension, products and cos/sin in float32,
-    rounded once to the compute dtype. Only the rope functions are imported: the modeling modules
-    that hold those rotary classes cost seconds of every start. yarn: a factor for yarn_config.
+    As transformers' rotary modules for Gemma 3 and 4 take them: from its own rope functions
+    (default, Gemma 4's proportional partial rope, linear or YaRN scaling), each layer kind with its
+    own head dimension. Only the rope functions are imported: the modeling modules that hold those
+    rotary classes cost seconds of every start. yarn: a factor for yarn_config.
     """
-    import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf = hf_text_config(yarn_config(config, yarn) if yarn else config)
-    positions = torch.arange(length).float().unsqueeze(-1)  # [length, 1]
-    tables = {}
+    out = {}
     for kind in sorted(set(hf.layer_types)):
         params = hf.rope_parameters[kind]
         # Gemma 4's layer kinds have their own head dimensions: the config resolved for the kind.
@@ -177,10 +174,30 @@ def rope_tables(config: dict, length: int, dtype, device="cpu", yarn: float | No
             inv_freq, scaling = _default_rope(kind_config, kind)
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](kind_config, None, layer_type=kind)
-        freqs = positions * inv_freq.float()  # [length, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        tables[kind] = ((emb.cos() * scaling).to(dtype).to(device), (emb.sin() * scaling).to(dtype).to(device))
-    return tables
+        out[kind] = (inv_freq.float(), float(scaling))
+    return out
+
+
+def rope_rows(positions, inv_freq, scaling: float, dtype):
+    """cos and sin [T, D] for positions [T], computed where they are (as the rotary modules do):
+    products and cos/sin in float32, rounded once to the compute dtype. The engine makes the rows
+    of each step's positions rather than keeping tables for the whole context, which would grow
+    with it (96 MiB of bfloat16 for an E4B shape at 32K tokens, on the GPU)."""
+    import torch
+
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def rope_tables(config: dict, length: int, dtype, device="cpu", yarn: float | None = None) -> dict:
+    """cos and sin per layer kind for positions 0..length-1: {kind: (cos [length, D], sin [length, D])}
+    (rope_frequencies and rope_rows over every position)."""
+    import torch
+
+    positions = torch.arange(length)
+    return {kind: tuple(t.to(device) for t in rope_rows(positions, inv_freq, scaling, dtype))
+            for kind, (inv_freq, scaling) in rope_frequencies(config, yarn).items()}
 
 
 def _default_rope(config, kind: str):
