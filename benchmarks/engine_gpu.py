@@ -43,6 +43,11 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {  # name → environment of the engine
     "int4 tinygemm + int8 rows, compiled, graph": {"GEMMACTL_ENGINE_KERNEL": "auto", "GEMMACTL_ENGINE_INT8": "rows",
                                                    "GEMMACTL_ENGINE_COMPILE": "on", "GEMMACTL_ENGINE_GRAPH": "on"},
+    "int4 tinygemm + int8 rows, compiled, graph, matrices apart": {"GEMMACTL_ENGINE_KERNEL": "auto",
+                                                                  "GEMMACTL_ENGINE_INT8": "rows",
+                                                                  "GEMMACTL_ENGINE_COMPILE": "on",
+                                                                  "GEMMACTL_ENGINE_GRAPH": "on",
+                                                                  "GEMMACTL_ENGINE_JOIN": "off"},
     "int4 tinygemm + int8 as bf16, compiled, graph": {"GEMMACTL_ENGINE_KERNEL": "auto",
                                                       "GEMMACTL_ENGINE_INT8": "dense",
                                                       "GEMMACTL_ENGINE_COMPILE": "on", "GEMMACTL_ENGINE_GRAPH": "on"},
