@@ -15,23 +15,28 @@ import pytest
 import torch
 
 from gemmactl.runtime.engine.kv import TurboKVCache, make_cache
-from gemmactl.runtime.engine.kv_modes import ENGINE_MODES, compression, vector_bytes
+from gemmactl.runtime.engine.kv_modes import ENGINE_MODES, compression, pair_bytes
 from test_engine import PROMPT, TOLERANCE, artifacts, engine_greedy, reference_greedy  # noqa: F401 (fixture)
 
 
-@pytest.mark.parametrize("mode,distortion", [("tq4", 0.009497), ("tq3", 0.03454)])
-def test_turbo_modes_reach_the_lloyd_max_distortion_of_a_gaussian(mode, distortion):
-    """After the rotation, coordinates of any vector are near-Gaussian: the relative error is the
-    quantizer's distortion for a unit Gaussian (Max 1960: 0.009497 at 4 bits, 0.03454 at 3)."""
+# The Lloyd-Max quantizer's mean squared error for a unit Gaussian, by bits (Max 1960).
+GAUSSIAN_DISTORTION = {2: 0.1175, 3: 0.03454, 4: 0.009497, 5: 0.002499, 6: 0.0006495}
+
+
+@pytest.mark.parametrize("mode", ["tq4", "tq3"])
+def test_turbo_modes_reach_the_lloyd_max_distortion_of_a_gaussian(mode):
+    """After the rotation, coordinates of any vector are near-Gaussian: the relative error of keys
+    and of values is the quantizer's distortion for a unit Gaussian at their bits."""
     torch.manual_seed(0)
     cache = make_cache(mode, 512, 2, 256, False, torch.float32, "cpu")
     x = torch.randn(512, 2, 256) * torch.linspace(0.1, 10, 512).view(-1, 1, 1)  # any scale
     x[:, :, :8] += 5  # and not centred
     cache.write(x, x, torch.arange(512))
-    k, _ = cache.read(512)
     turned = x @ cache.rotation
-    error = ((k - turned).pow(2).sum(-1) / turned.pow(2).sum(-1)).mean()
-    assert abs(float(error) - distortion) < 0.15 * distortion
+    for name, read in zip("kv", cache.read(512)):
+        error = ((read - turned).pow(2).sum(-1) / turned.pow(2).sum(-1)).mean()
+        distortion = GAUSSIAN_DISTORTION[cache.bits[name]]
+        assert abs(float(error) - distortion) < 0.15 * distortion, name
 
 
 def test_int8_errs_by_at_most_half_a_step_and_packing_is_lossless():
@@ -43,16 +48,16 @@ def test_int8_errs_by_at_most_half_a_step_and_packing_is_lossless():
     step = x.abs().amax(-1, keepdim=True) / 127
     fp16_scale = x.abs() * 2.0**-11  # the scale is kept in fp16
     assert ((k - x).abs() <= step / 2 + fp16_scale + 1e-6).all() and torch.equal(k, v)
-    for bits in (3, 4):
-        turbo = TurboKVCache(4, 1, 64, False, torch.float32, "cpu", bits=bits)
+    for bits in (2, 3, 4, 5, 6):
         codes = torch.randint(0, 1 << bits, (5, 3, 64), dtype=torch.uint8)
-        assert torch.equal(turbo._unpack(turbo._pack(codes)), codes)
+        packed = TurboKVCache._pack(codes, bits)
+        assert packed.shape[-1] == 64 * bits // 8 and torch.equal(TurboKVCache._unpack(packed, bits), codes)
 
 
 def test_each_mode_stores_what_its_size_rule_says():
     for mode in ENGINE_MODES:
         cache = make_cache(mode, 100, 2, 256, False, torch.bfloat16, "cpu")
-        assert cache.nbytes() == 2 * 100 * 2 * vector_bytes(mode, 256) + 100 * 8  # K, V and each slot's position
+        assert cache.nbytes() == 2 * 100 * pair_bytes(mode, 256) + 100 * 8  # K, V and each slot's position
     assert compression("tq4", 256) >= 3.5 and compression("tq3", 256) > compression("tq4", 256)
 
 

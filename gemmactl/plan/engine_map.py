@@ -92,7 +92,7 @@ def _costs(index: dict, spec, context: int, kv_mode: str | None = None, spare_sl
     """Per-layer costs, the GPU-side globals and the tables, from the artifact's index. spare_slots:
     ring slots past a sliding layer's window (speculation's drafted tokens, runtime/engine/model.py)."""
     from gemmactl.runtime.engine.kernels import linear_bytes
-    from gemmactl.runtime.engine.kv_modes import vector_bytes
+    from gemmactl.runtime.engine.kv_modes import pair_bytes
 
     layers = {layer.index: [0, 0] for layer in spec.layers}
     globals_ = {"head": 0, "projection": 0, "norms": 0}
@@ -129,7 +129,7 @@ def _costs(index: dict, spec, context: int, kv_mode: str | None = None, spare_sl
         kv = 0
         if layer.owns_kv:
             slots = _slots(spec, layer, context, spare_slots)  # K and V per slot and head, and its position
-            kv = slots * layer.kv_heads * 2 * vector_bytes(kv_mode or "bf16", layer.head_dim) + slots * 8
+            kv = slots * layer.kv_heads * pair_bytes(kv_mode or "bf16", layer.head_dim) + slots * 8
         device_bytes, dense_bytes = layers[layer.index]
         costs.append(LayerCost(layer.index, device_bytes, dense_bytes, kv, layer.index in readers))
     tables["experts"] = experts

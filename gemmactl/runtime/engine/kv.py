@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from gemmactl.runtime.engine.kv_modes import DEFAULT_MODE, ENGINE_MODES, read_block_slots
+from gemmactl.runtime.engine.kv_modes import DEFAULT_MODE, ENGINE_MODES, TURBO_BITS, read_block_slots
 
 # Tokens of a sequence's first chunk (after its first) that set the quantized caches' centres:
 # the whole of the engine's first prefill chunk. On Gemma 3 270M (512-token window, tq4) a centre
@@ -95,7 +95,8 @@ class CenteredKVCache(KVCache):
 
     def _allocate(self, device) -> None:
         shape = (self.slots, self.kv_heads)
-        self.codes = {name: torch.zeros(*shape, *self._code_shape, dtype=self._code_dtype, device=device) for name in "kv"}
+        self.codes = {name: torch.zeros(*shape, *self._code_shape(name), dtype=self._code_dtype, device=device)
+                      for name in "kv"}
         self.scales = {name: torch.zeros(*shape, dtype=torch.float16, device=device) for name in "kv"}
         self.centres = {name: torch.zeros(self.kv_heads, self.head_dim, dtype=torch.float32, device=device)
                         for name in "kv"}
@@ -121,7 +122,7 @@ class CenteredKVCache(KVCache):
         return x
 
     def _encode_as(self, name, x):
-        return self._encode(x.float() - self.centres[name])
+        return self._encode(x.float() - self.centres[name], name)
 
     def write(self, k, v, positions) -> None:
         k, v, positions, slots = self._slots_for(k, v, positions)
@@ -141,7 +142,7 @@ class CenteredKVCache(KVCache):
 
     def read_range(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots start..stop-1, decoded: a block of a read by blocks."""
-        return tuple(self._decode(self.codes[n][start:stop], self.scales[n][start:stop]) for n in "kv")
+        return tuple(self._decode(self.codes[n][start:stop], self.scales[n][start:stop], n) for n in "kv")
 
     def _decode_slots(self, name: str, held: int) -> torch.Tensor:
         """The first held slots decoded, a block of slots at a time (kv_modes.read_block_slots):
@@ -149,15 +150,15 @@ class CenteredKVCache(KVCache):
         codes, scales = self.codes[name], self.scales[name]
         block = read_block_slots(self.kv_heads, self.head_dim)
         if held <= block:
-            return self._decode(codes[:held], scales[:held])
+            return self._decode(codes[:held], scales[:held], name)
         out = torch.empty((held, self.kv_heads, self.head_dim), dtype=self.dtype, device=codes.device)
         for start in range(0, held, block):
             stop = min(held, start + block)
-            out[start:stop] = self._decode(codes[start:stop], scales[start:stop])
+            out[start:stop] = self._decode(codes[start:stop], scales[start:stop], name)
         return out
 
     def space(self, k, v):
-        return tuple(self._decode(*self._encode_as(name, x)) for name, x in (("k", k), ("v", v)))
+        return tuple(self._decode(*self._encode_as(name, x), name) for name, x in (("k", k), ("v", v)))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.codes.values(), *self.scales.values(), self.pos))
@@ -169,17 +170,16 @@ class Int8KVCache(CenteredKVCache):
     mode = "int8"
     _code_dtype = torch.int8
 
-    @property
-    def _code_shape(self):
+    def _code_shape(self, name):
         return (self.head_dim,)
 
-    def _encode(self, x):
+    def _encode(self, x, name):
         x = x.float()
         scale = (x.abs().amax(-1) / 127.0).to(torch.float16)  # [T, K]
         safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float().unsqueeze(-1)
         return torch.round(x / safe).clamp_(-127, 127).to(torch.int8), scale
 
-    def _decode(self, codes, scale):
+    def _decode(self, codes, scale, name):
         return (codes.float() * scale.float().unsqueeze(-1)).to(self.dtype)
 
 
@@ -217,54 +217,60 @@ def hadamard_rotation(dim: int, seed: int) -> torch.Tensor:
 
 class TurboKVCache(CenteredKVCache):
     """TurboQuant-style: vectors turned by a random rotation, each coordinate quantized to the
-    Lloyd-Max levels of a Gaussian (4 or 3 bits), scaled by the turned vector's RMS (fp16).
-    Codes are packed: two to a byte (4 bits), eight to three bytes (3 bits)."""
+    Lloyd-Max levels of a Gaussian, scaled by the turned vector's RMS (fp16). Keys and values may
+    take different bits (kv_modes.TURBO_BITS: keys one bit more, values one less, since a key's
+    error moves every score). Codes are packed: two to a byte (4 bits), else eight to `bits` bytes."""
 
-    def __init__(self, slots, kv_heads, head_dim, ring, dtype, device, *, bits: int, seed: int = 0):
+    def __init__(self, slots, kv_heads, head_dim, ring, dtype, device, *, bits, seed: int = 0, mode: str = ""):
         if head_dim % 8:
-            raise ValueError(f"tq{bits} needs a head dim divisible by 8, not {head_dim}")
-        self.bits, self.mode = bits, f"tq{bits}"
-        levels, edges = gaussian_levels(bits)
-        self.levels = torch.tensor(levels, dtype=torch.float32, device=device)
-        self.edges = torch.tensor(edges, dtype=torch.float32, device=device)
+            raise ValueError(f"{mode or 'a turbo cache'} needs a head dim divisible by 8, not {head_dim}")
+        key_bits, value_bits = (bits, bits) if isinstance(bits, int) else bits
+        self.bits = {"k": key_bits, "v": value_bits}
+        self.mode = mode or f"tq{key_bits}"
+        self.levels, self.edges = {}, {}
+        for name, b in self.bits.items():
+            levels, edges = gaussian_levels(b)
+            self.levels[name] = torch.tensor(levels, dtype=torch.float32, device=device)
+            self.edges[name] = torch.tensor(edges, dtype=torch.float32, device=device)
         self.rotation_f32 = hadamard_rotation(head_dim, seed).to(device)
         self.rotation = self.rotation_f32.to(dtype)
         super().__init__(slots, kv_heads, head_dim, ring, dtype, device)
 
     _code_dtype = torch.uint8
 
-    @property
-    def _code_shape(self):
-        return (self.head_dim * self.bits // 8,)
+    def _code_shape(self, name):
+        return (self.head_dim * self.bits[name] // 8,)
 
     def _turn(self, x):
         return x @ self.rotation_f32
 
-    def _encode(self, x):
+    def _encode(self, x, name):
         turned = x.float() @ self.rotation_f32  # [T, K, D]
         scale = turned.pow(2).mean(-1).sqrt().to(torch.float16)  # [T, K]
         safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float().unsqueeze(-1)
-        codes = torch.bucketize(turned / safe, self.edges).to(torch.uint8)  # [T, K, D] in 0 .. 2**bits - 1
-        return self._pack(codes), scale
+        codes = torch.bucketize(turned / safe, self.edges[name]).to(torch.uint8)  # [T, K, D] in 0 .. 2**bits - 1
+        return self._pack(codes, self.bits[name]), scale
 
-    def _decode(self, packed, scale):
-        values = self.levels[self._unpack(packed).long()] * scale.float().unsqueeze(-1)
+    def _decode(self, packed, scale, name):
+        values = self.levels[name][self._unpack(packed, self.bits[name]).long()] * scale.float().unsqueeze(-1)
         return values.to(self.dtype)
 
-    def _pack(self, codes):
-        if self.bits == 4:
+    @staticmethod
+    def _pack(codes, bits: int):
+        if bits == 4:
             return codes[..., 0::2] | (codes[..., 1::2] << 4)
-        eights = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 8, 8).to(torch.int32)  # [..., D/8, 8]
-        word = (eights << torch.arange(0, 24, 3, device=codes.device, dtype=torch.int32)).sum(-1)  # 24 bits
-        return torch.stack([(word >> s) & 0xFF for s in (0, 8, 16)], -1).to(torch.uint8).flatten(-2)
+        eights = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 8, 8).to(torch.int64)  # [..., D/8, 8]
+        word = (eights << torch.arange(0, 8 * bits, bits, device=codes.device, dtype=torch.int64)).sum(-1)  # 8·bits bits
+        return torch.stack([(word >> s) & 0xFF for s in range(0, 8 * bits, 8)], -1).to(torch.uint8).flatten(-2)
 
-    def _unpack(self, packed):
-        if self.bits == 4:
+    @staticmethod
+    def _unpack(packed, bits: int):
+        if bits == 4:
             return torch.stack((packed & 0x0F, packed >> 4), -1).flatten(-2)
-        threes = packed.reshape(*packed.shape[:-1], packed.shape[-1] // 3, 3).to(torch.int32)  # [..., D/8, 3]
-        word = threes[..., 0] | (threes[..., 1] << 8) | (threes[..., 2] << 16)
-        shifts = torch.arange(0, 24, 3, device=packed.device, dtype=torch.int32)
-        return ((word.unsqueeze(-1) >> shifts) & 0x7).flatten(-2)
+        groups = packed.reshape(*packed.shape[:-1], packed.shape[-1] // bits, bits).to(torch.int64)  # [..., D/8, bits]
+        word = (groups << torch.arange(0, 8 * bits, 8, device=packed.device, dtype=torch.int64)).sum(-1)
+        shifts = torch.arange(0, 8 * bits, bits, device=packed.device, dtype=torch.int64)
+        return ((word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
 
 
 def make_cache(mode: str | None, slots: int, kv_heads: int, head_dim: int, ring: bool, dtype, device,
@@ -275,6 +281,6 @@ def make_cache(mode: str | None, slots: int, kv_heads: int, head_dim: int, ring:
         return KVCache(slots, kv_heads, head_dim, ring, dtype, device)
     if mode == "int8":
         return Int8KVCache(slots, kv_heads, head_dim, ring, dtype, device)
-    if mode in ("tq4", "tq3"):
-        return TurboKVCache(slots, kv_heads, head_dim, ring, dtype, device, bits=int(mode[2]), seed=seed)
+    if mode in TURBO_BITS:
+        return TurboKVCache(slots, kv_heads, head_dim, ring, dtype, device, bits=TURBO_BITS[mode], seed=seed, mode=mode)
     raise ValueError(f"unknown KV cache mode {mode!r} (known: {', '.join(ENGINE_MODES)})")
