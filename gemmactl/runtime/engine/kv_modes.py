@@ -34,7 +34,7 @@ LLAMACPP_VALUE_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 # READ_BLOCK_BYTES. Decoded whole, one read of an E4B-shaped global layer at 32K (2 heads of 512)
 # held about 400 MB, which broke a 4 GiB budget, and the decoded keys and values alone cost as much
 # device memory per token as tq4 saved.
-READ_TEMP_BYTES = 16
+READ_TEMP_BYTES = 24  # 16 counted as above, and keys at 5 bits unpack through int64 words of 8 codes
 READ_BLOCK_BYTES = 32 << 20
 
 
