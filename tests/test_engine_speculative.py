@@ -18,7 +18,7 @@ from gemmactl.formats.int4.quantize import quantize_checkpoint
 from gemmactl.formats.int4.reader import open_artifact
 from gemmactl.runtime.engine.model import GemmaModel
 from gemmactl.runtime.engine.sampler import pick
-from gemmactl.runtime.engine.speculative import PROBE_EVERY, REFRESH_EVERY, Speculator, Tuner, accept_sampled, expected_tokens
+from gemmactl.runtime.engine.speculative import PROBE_EVERY, PROBE_EVERY_MAX, PROBE_SHARE, REFRESH_EVERY, Speculator, Tuner, accept_sampled, expected_tokens
 
 PROMPT = [2, 818, 5279, 529, 7001, 563, 496, 1401]
 STEPS = 40  # past the 16-token window, with rounds straddling it
@@ -65,9 +65,9 @@ def _plain(model, request, steps=STEPS):
     return tokens
 
 
-def _speculative(target, draft, k, request, steps=STEPS, tune=False):
+def _speculative(target, draft, k, request, steps=STEPS, tune=False, verifier=None):
     target.reset()
-    speculator = Speculator(target, draft, Tuner(k, fixed=None if tune else k))
+    speculator = Speculator(target, draft, Tuner(k, fixed=None if tune else k), verifier=verifier)
     with torch.inference_mode():
         logits = target.step(torch.tensor(PROMPT), torch.arange(len(PROMPT)), len(PROMPT))
         speculator.begin(PROMPT, chunk=5)
@@ -101,6 +101,27 @@ def test_greedy_tokens_are_plain_decodings_at_every_draft_length(artifacts, draf
         assert rates == [1.0] * 4  # the target agrees with itself: every draft is kept
     if draft_kind == "other":
         assert max(rates) < 0.5  # an unrelated model: mostly rejected, and the tokens still exact
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+@pytest.mark.parametrize("draft_kind", ["coarse", "other"])
+def test_a_verify_step_of_fixed_width_pads_and_stays_exact(artifacts, draft_kind, penalty):
+    """The captured verify step's arithmetic on the CPU: every round runs k_max + 1 tokens, the
+    unused ones copies of the last, reading every slot (no `end`), as the graph replays it; the
+    padded keys are rolled back like rejected ones. Up to the end of the context, where a padded
+    round would not fit and the step runs eagerly."""
+    from gemmactl.runtime.engine.graph import VerifyStep
+
+    request = Request(repeat_penalty=penalty)
+    steps = CONTEXT - len(PROMPT)
+    reference = _plain(_model(artifacts["target"]), request, steps=steps)
+    target = _model(artifacts["target"], spare=4)
+    draft = _model(artifacts[draft_kind], spare=4)
+    verifier = VerifyStep(target, 5, captured=False, pad=True)
+    for k in (1, 2, 4):
+        tokens, stats = _speculative(target, draft, k, request, steps=steps, verifier=verifier)
+        assert tokens == reference, (draft_kind, k)
+        assert stats.rounds
 
 
 def test_a_tuned_speculator_is_exact_and_says_what_it_decided(artifacts):
@@ -159,12 +180,19 @@ def test_tuner_speculates_when_it_pays_and_stops_when_it_loses():
         tuner.record_plain(0.010)
     assert tuner.next_k(100) == 2  # probes again
     tuner.record_round(2, 0, draft_s=0.002, verify_s=0.012)
-    assert tuner.next_k(100) == 0 and tuner.probe_every == 2 * PROBE_EVERY  # it failed: waits twice as long
-    for _ in range(2 * PROBE_EVERY - 1):
+    # it failed: waits twice as long, or as long as keeps probing (1.4 plain steps) at PROBE_SHARE of the time
+    wait = max(2 * PROBE_EVERY, int(0.014 / (PROBE_SHARE * 0.010)))
+    assert tuner.next_k(100) == 0 and tuner.probe_every == wait
+    for _ in range(wait - 1):
         tuner.record_plain(0.010)
         assert tuner.next_k(100) == 0
     tuner.record_plain(0.010)
     assert tuner.next_k(100) == 2
+    # A probe whose draft first read many tokens (0.5 s): the next waits until probing costs at
+    # most PROBE_SHARE of the time, longer than doubling alone would
+    tuner.record_round(2, 0, draft_s=0.002, verify_s=0.012, catch_up_s=0.5)
+    assert tuner.next_k(100) == 0
+    assert tuner.probe_every == min(int(0.514 / (PROBE_SHARE * 0.010)), PROBE_EVERY_MAX) > 2 * wait
     assert tuner.next_k(0) == 0  # no room left in the context
 
 
@@ -324,3 +352,43 @@ def test_bench_reports_the_tuners_decision(run_artifacts, tmp_path):
     row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("speculation"))
     decision = "speculating" if spec["speculating"] else "decoding plainly"
     assert f"draft {draft}, tuned k≤3: {decision}" in row
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("draft_kind", ["coarse", "other"])
+def test_gpu_captured_verify_step_gives_plain_decodings_tokens(artifacts, draft_kind):
+    """On CUDA: the target's decode step and its verify step (k_max + 1 tokens, padded) both
+    captured, the draft's decode step too; greedy tokens equal plain decoding through the captured
+    decode step, at every draft length."""
+    from gemmactl.runtime.engine.graph import DecodeStep, VerifyStep
+
+    request = Request()
+    target = GemmaModel(artifacts["target"], device="cuda", dtype=torch.bfloat16, context=CONTEXT, spare_slots=4)
+    draft = GemmaModel(artifacts[draft_kind], device="cuda", dtype=torch.bfloat16, context=CONTEXT, spare_slots=4)
+    decoder, draft_decoder = DecodeStep(target), DecodeStep(draft)
+    verifier = VerifyStep(target, 5, step=decoder.compiled_step())
+    assert decoder.graph is not None and verifier.graph is not None
+    prompt = torch.tensor(PROMPT, device="cuda")
+    steps = CONTEXT - len(PROMPT)
+
+    def first_token():
+        target.reset()
+        with torch.inference_mode():
+            logits = target.step(prompt, torch.arange(len(PROMPT), device="cuda"), len(PROMPT))
+        return int(torch.argmax(logits))
+
+    plain = [first_token()]
+    with torch.inference_mode():
+        for position in range(len(PROMPT), len(PROMPT) + steps - 1):
+            plain.append(int(torch.argmax(decoder(torch.tensor(plain[-1], device="cuda"), position))))
+    for k in (1, 2, 4):
+        speculator = Speculator(target, draft, Tuner(4, fixed=k), draft_decoder, verifier)
+        out = [first_token()]
+        with torch.inference_mode():
+            speculator.begin(PROMPT, chunk=5)
+            for token in speculator.tokens(out[0], len(PROMPT), PROMPT + out, request, None, decoder, CONTEXT):
+                out.append(token)
+                if len(out) == steps:
+                    break
+        assert out == plain, (draft_kind, k)
+        assert speculator.stats.rounds

@@ -232,11 +232,15 @@ def build_random_assistant(target_kind: str, out_dir: Path, *, seed: int = 1, la
 
 
 def write_random_int4(kind: str, out_dir: Path, *, seed: int = 0, vocab: Path | None = None, group_size: int = 64,
-                      progress=None) -> Path:
+                      progress=None, embed_from: Path | None = None) -> Path:
     """Write a random model of a kind straight to an int4-stream artifact: the records a quantized
     checkpoint of it would have, with random codes and sane scales, and no checkpoint on disk or
     in memory (one block of rows at a time). Decoded weights are uniform with the standard
-    deviation of transformers' initialisation (0.02); norms and scalars are ones, as it makes them."""
+    deviation of transformers' initialisation (0.02); norms and scalars are ones, as it makes them.
+
+    embed_from: another artifact of the same vocabulary and a hidden size no larger: this model's
+    token embedding (and so its tied head) is that one's, its rows padded with zeros (a target and
+    draft whose logits agree where their layers add little: benchmarks/speculation_gpu.py)."""
     import json
     import tempfile
     import zlib
@@ -255,7 +259,15 @@ def write_random_int4(kind: str, out_dir: Path, *, seed: int = 0, vocab: Path | 
     def block_rows(numel_per_row: int) -> int:
         return max(1, (16 << 20) // max(numel_per_row, 1))
 
+    donor = None
+    if embed_from is not None:
+        from gemmactl.formats.int4.reader import open_artifact
+
+        donor = open_artifact(Path(embed_from))
+
     def encode(record, writer) -> None:
+        if donor is not None and record.name.endswith("embed_tokens.weight"):
+            return _padded_copy(donor, record, writer)
         generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{record.key}".encode()))
         rows = record.shape[0] if record.shape else 1
         cols = record.numel // max(rows, 1)
@@ -295,6 +307,36 @@ def write_random_int4(kind: str, out_dir: Path, *, seed: int = 0, vocab: Path | 
         write_artifact(checkpoint, Path(out_dir), QuantizeOptions(group_size=group_size, search=False), encode=encode,
                        progress=progress)
     return Path(out_dir)
+
+
+def _padded_copy(donor, record, writer) -> None:
+    """record's parts from donor's record of the same name, each row padded with zero weights."""
+    import torch
+
+    parts = donor.packed(donor.record(record.name)).parts
+    rows, cols = record.shape
+    if record.scheme not in ("int8", "int4") or donor.record(record.name).scheme != record.scheme:
+        raise ValueError(f"{record.name}: cannot pad a {donor.record(record.name).scheme} table into {record.scheme}")
+    step = max(1, (16 << 20) // cols)
+    for start in range(0, rows, step):
+        block = slice(start, min(rows, start + step))
+        if record.scheme == "int8":
+            q = parts["qweight"][block]
+            q = torch.cat((q, q.new_zeros((q.shape[0], cols - q.shape[1]))), 1).contiguous()
+            writer.write_part("qweight", start * cols, memoryview(q.view(torch.uint8).numpy()))
+            writer.write_part("scales", start * 2, memoryview(parts["scales"][block].contiguous().view(torch.uint8).numpy()))
+            continue
+        from gemmactl.formats.int4.spec import padded_cols
+
+        groups = padded_cols(cols, record.group_size) // record.group_size
+        pieces = {}
+        for name in ("qweight", "scales", "zeros"):
+            part = parts[name][block]
+            width = groups * record.group_size // 2 if name == "qweight" else groups
+            pieces[name] = torch.cat((part, part.new_zeros((part.shape[0], width - part.shape[1]))), 1).contiguous()
+        writer.write_part("qweight", start * groups * record.group_size // 2, memoryview(pieces["qweight"].numpy()))
+        for name in ("scales", "zeros"):  # zero scales and zeros: the padded columns decode to 0
+            writer.write_part(name, start * groups * 2, memoryview(pieces[name].view(torch.uint8).numpy()))
 
 
 def _meta_shapes(kind: str):

@@ -100,26 +100,13 @@ class DecodeStep:
             self.graph = PiecewiseDecode(model)  # replayed piece by piece, the experts between
         self.setup_s = time.perf_counter() - start
 
+    def compiled_step(self):
+        """The model's step as this decoder runs it (fused by torch.compile where it is): the
+        verify step reuses it, so its code is compiled for one more shape, not built again."""
+        return self._step
+
     def _capture(self) -> None:
-        model = self.model
-        if model.placement.tables_on_host:
-            # The host's row gather stays outside; the graph starts from the gathered rows.
-            with torch.inference_mode():
-                self.x, self.per_layer = model.embed_tokens(self.token)
-            body = lambda: model.forward(self.x, self.per_layer, self.position)  # noqa: E731
-        else:
-            body = lambda: self._step(self.token, self.position)  # noqa: E731
-        # Warm up on a side stream (compilation, cuBLAS handles, allocator), then capture.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(3):
-                body()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.inference_mode():
-            self.logits = body()  # [V], a static output buffer
-        model.reset()  # the warm-up and capture wrote position 0 of the caches
+        self.graph, self.logits, self.x, self.per_layer = capture(self.model, self._step, self.token, self.position)
 
     def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
         """Logits [V] after token (a 0-dim or [1] tensor on the device) at position."""
@@ -131,10 +118,88 @@ class DecodeStep:
         self.token.copy_(token.reshape(1))
         self.position.fill_(position)
         if self.model.placement.tables_on_host:
-            with torch.inference_mode():
-                x, per_layer = self.model.embed_tokens(self.token)
-                self.x.copy_(x)
-                if per_layer is not None:
-                    self.per_layer.copy_(per_layer)
+            _fill_rows(self.model, self.token, self.x, self.per_layer)
         self.graph.replay()
         return self.logits
+
+
+def capture(model, step, tokens: torch.Tensor, positions: torch.Tensor, all_logits: bool = False):
+    """(graph, logits, x, per_layer): model's step over the static tokens and positions captured in a
+    CUDA graph, its logits a static output buffer. Where the embedding tables are in host memory the
+    host's row gather stays outside: the graph starts from the gathered rows (x, per_layer, static
+    buffers the caller fills before each replay); else x and per_layer are None."""
+    x = per_layer = None
+    if model.placement.tables_on_host:
+        with torch.inference_mode():
+            x, per_layer = model.embed_tokens(tokens)
+        body = lambda: model.forward(x, per_layer, positions, all_logits=all_logits)  # noqa: E731
+    else:
+        body = lambda: step(tokens, positions, all_logits=all_logits)  # noqa: E731
+    # Warm up on a side stream (compilation, cuBLAS handles, allocator), then capture.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(3):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        logits = body()
+    model.reset()  # the warm-up and capture wrote the first positions of the caches
+    return graph, logits, x, per_layer
+
+
+def _fill_rows(model, tokens: torch.Tensor, x, per_layer) -> None:
+    """The host's row gather for a captured step whose tables are in host memory."""
+    with torch.inference_mode():
+        rows, per_layer_rows = model.embed_tokens(tokens)
+        x.copy_(rows)
+        if per_layer_rows is not None:
+            per_layer.copy_(per_layer_rows)
+
+
+class VerifyStep:
+    """Speculation's verify step: the target runs the pending token and k drafts at once and
+    returns every position's logits.
+
+    Where the decode step is captured, so is this, once, for k_max + 1 tokens (fused by the same
+    compiled function where the decode step is fused): a round with fewer drafts fills the rest with
+    copies of its last token. Their keys land past the round's positions, where attention hides
+    them (every slot records its position) and the next round overwrites them; a sliding layer's
+    ring keeps k_max spare slots, so they never overwrite a key its window still needs. Eager where
+    there is no graph, and for a round whose padded tokens would run past the context."""
+
+    def __init__(self, model, width: int, step=None, captured: bool | None = None, pad: bool = False):
+        """pad: run the padded rounds eagerly where nothing is captured (the CPU tests check the
+        padding's rollback this way, with the arithmetic the graph replays)."""
+        self.model, self.width, self.pad = model, width, pad
+        device = model.device
+        self.tokens = torch.zeros(width, dtype=torch.long, device=device)
+        self.offsets = torch.arange(width, device=device)
+        self.positions = self.offsets.clone()
+        self.graph = None
+        self.setup_s = 0.0
+        start = time.perf_counter()
+        if captured if captured is not None else wanted(GRAPH_ENV, model):
+            self.graph, self.logits, self.x, self.per_layer = capture(model, step or model.step, self.tokens,
+                                                                       self.positions, all_logits=True)
+        self.setup_s = time.perf_counter() - start
+
+    def __call__(self, tokens: list[int], position: int) -> torch.Tensor:
+        """Logits [len(tokens), V] of tokens at position, position + 1, ..."""
+        model, n = self.model, len(tokens)
+        device = model.device
+        if (self.graph is None and not self.pad) or n > self.width or position + self.width > model.context:
+            with torch.inference_mode():
+                return model.step(torch.tensor(tokens, dtype=torch.long, device=device),
+                                  torch.arange(position, position + n, device=device), position + n, all_logits=True)
+        padded = tokens + tokens[-1:] * (self.width - n)
+        self.tokens.copy_(torch.tensor(padded, dtype=torch.long))
+        torch.add(self.offsets, position, out=self.positions)
+        if self.graph is None:
+            with torch.inference_mode():
+                return model.step(self.tokens, self.positions, all_logits=True)[:n]
+        if model.placement.tables_on_host:
+            _fill_rows(model, self.tokens, self.x, self.per_layer)
+        self.graph.replay()
+        return self.logits[:n]

@@ -109,3 +109,63 @@ def int8_rows_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor)
 @int8_rows_gemv.register_fake
 def _(x, qweight, scales):
     return x.new_empty(qweight.shape[0])
+
+
+# A few tokens at once (speculation's verify step: the pending token and k drafts). The block path
+# decodes every row to bfloat16 and hands cuBLAS the copy, reading the matrix three times over;
+# this kernel reads each code once for all the tokens, with Triton's tl.dot on tiles of at least
+# 16 (the tokens are padded to 16 inside the kernel, never in memory). Not tuned shape by shape as
+# the one-token tiles were: one tile, K split for matrices with few row blocks.
+FEW_TOKENS_MAX = 16
+FEW_TILE = Tile(32, 128, 4)
+
+
+@functools.cache
+def _few_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def int8_rows_few(x_ptr, q_ptr, s_ptr, y_ptr, T, N, K, stride_x, stride_q, K_PER,
+                      BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        toks = tl.arange(0, BLOCK_T)  # [BT]
+        row_ok, tok_ok = rows < N, toks < T
+        first = tl.program_id(1) * K_PER
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for offset in range(0, K_PER, BLOCK_K):
+            cols = first + offset + tl.arange(0, BLOCK_K)  # [BK]
+            col_ok = cols < K
+            x = tl.load(x_ptr + toks[:, None] * stride_x + cols[None, :],
+                        mask=tok_ok[:, None] & col_ok[None, :], other=0.0).to(tl.bfloat16)  # [BT, BK]
+            q = tl.load(q_ptr + rows[:, None] * stride_q + cols[None, :],
+                        mask=row_ok[:, None] & col_ok[None, :], other=0).to(tl.bfloat16)  # [BN, BK], exact
+            acc += tl.dot(x, tl.trans(q))  # [BT, BN], float32
+        scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        out = y_ptr + tl.program_id(1) * T * N + toks[:, None] * N + rows[None, :]
+        tl.store(out, (acc * scale[None, :]).to(y_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
+
+    return triton, int8_rows_few
+
+
+@torch.library.custom_op("gemmactl::int8_rows_few", mutates_args=())
+def int8_rows_few(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [T, in] (2 ≤ T ≤ FEW_TOKENS_MAX tokens) · (qweight [out, in] int8 × scales [out]) → [T, out]
+    in x's dtype. The tokens enter tl.dot in bfloat16 (as the compute dtype holds them)."""
+    triton, kernel = _few_kernel()
+    tokens = x.shape[0]
+    out_features, in_features = qweight.shape
+    tile = FEW_TILE
+    splits, per = split(out_features, in_features, _sms(x.device), tile)
+    x = x.contiguous()
+    dtype = x.dtype if splits == 1 else torch.float32
+    y = torch.empty((splits, tokens, out_features), dtype=dtype, device=x.device)
+    kernel[(triton.cdiv(out_features, tile.rows), splits)](x, qweight, scales, y, tokens, out_features, in_features,
+                                                           x.stride(0), qweight.stride(0), per, BLOCK_T=16,
+                                                           BLOCK_N=tile.rows, BLOCK_K=tile.cols, num_warps=tile.warps)
+    return y[0] if splits == 1 else y.sum(0).to(x.dtype)
+
+
+@int8_rows_few.register_fake
+def _(x, qweight, scales):
+    return x.new_empty((x.shape[0], qweight.shape[0]))

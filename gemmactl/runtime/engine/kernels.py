@@ -149,12 +149,14 @@ class Int8Linear(Linear):
         self.out_features, self.in_features = qweight.shape
 
     def __call__(self, x):
-        from gemmactl.runtime.engine.int8_gemv import int8_rows_gemv
+        from gemmactl.runtime.engine.int8_gemv import FEW_TOKENS_MAX, int8_rows_few, int8_rows_gemv
 
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, in]
         if flat.shape[0] == 1 and flat.is_cuda:
             y = int8_rows_gemv(flat.reshape(-1), self.qweight, self.scales)  # [out]
+        elif flat.shape[0] <= FEW_TOKENS_MAX and flat.is_cuda:
+            y = int8_rows_few(flat, self.qweight, self.scales)  # [T, out]: speculation's verify step
         else:
             y = self._blocks(flat)
         return y.reshape(*shape[:-1], self.out_features)

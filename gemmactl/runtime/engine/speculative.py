@@ -21,7 +21,9 @@ gets `k_max` spare slots so the rejected keys never overwrite ones its window st
 
 `Tuner` picks k each round from measurements: the acceptance rate (decayed counts), the time of a
 draft step and of a verify step, and of a plain target step; speculation turns itself off when
-its predicted rate is below plain decoding's and probes again every PROBE_EVERY tokens.
+its predicted rate is below plain decoding's and probes again after PROBE_EVERY tokens, twice as
+many after each probe that did not pay, and never so often that probes (the draft first reads what
+was decoded without it) cost more than PROBE_SHARE of the time.
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ from gemmactl.runtime.engine.sampler import penalized, probabilities
 
 PROBE_EVERY = 32  # plain tokens before the first probe while speculation is off; doubles after each failed probe
 PROBE_EVERY_MAX = 1024
+PROBE_SHARE = 0.02  # a failed probe waits at least until its cost is this share of the plain decoding since
 PROBE_K = 2  # drafts in a probing round (a bad draft costs least at a short length)
 DECAY = 0.9  # weight of the past in the acceptance counts and step times, per round
 PLAIN_FIRST = 2  # plain steps that measure the target's own rate before the first round
 REFRESH_EVERY = 64  # rounds between plain steps that keep the plain rate current while speculating
+REPLAY_MAX = 16  # pending tokens the draft reads one replay of its decode step each (more: a chunked step)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -64,6 +68,7 @@ class Tuner:
     rounds_since_plain: int = 0  # rounds since the last plain step
     probe_every: int = PROBE_EVERY  # plain tokens between probes now (doubles after each failed one)
     probed: bool = False  # the last round was a probe whose verdict is still to be drawn
+    t_probe: float = 0.0  # s the last round took, the draft's catching up included (what a probe costs)
     decisions: dict = field(default_factory=lambda: {"on": 0, "off": 0})
 
     @property
@@ -90,8 +95,12 @@ class Tuner:
                 return 0  # one plain step: the plain rate the decision compares with stays measured
             return k
         self.decisions["off"] += 1
-        if self.probed:  # a probe that did not pay: wait twice as long before the next
-            self.probed, self.probe_every = False, min(2 * self.probe_every, PROBE_EVERY_MAX)
+        if self.probed:  # a probe that did not pay: wait twice as long before the next, and long
+            # enough that probing costs at most PROBE_SHARE of the time (the draft reads every
+            # token decoded since its last round before it drafts: a probe costs more than a round)
+            affordable = int(self.t_probe / (PROBE_SHARE * self.t_plain)) if self.t_plain else 0
+            self.probed = False
+            self.probe_every = min(max(2 * self.probe_every, affordable), PROBE_EVERY_MAX)
         if self.plain_since >= self.probe_every:
             return self._probe(cap)  # try again: the text may have become easier to draft
         return 0
@@ -113,7 +122,8 @@ class Tuner:
         self.plain_since += 1
         self.rounds_since_plain = 0
 
-    def record_round(self, k: int, kept: int, draft_s: float, verify_s: float) -> None:
+    def record_round(self, k: int, kept: int, draft_s: float, verify_s: float, catch_up_s: float = 0.0) -> None:
+        self.t_probe = catch_up_s + draft_s + verify_s
         self.accepted = DECAY * self.accepted + kept
         self.rejected = DECAY * self.rejected + (1 if kept < k else 0)
         per_draft = draft_s / k
@@ -177,9 +187,10 @@ class RoundStats:
 class Speculator:
     """Speculative decoding of one target with one draft (GemmaModels of the same vocabulary)."""
 
-    def __init__(self, target, draft, tuner: Tuner, draft_decoder=None):
+    def __init__(self, target, draft, tuner: Tuner, draft_decoder=None, verifier=None):
         self.target, self.draft, self.tuner = target, draft, tuner
         self.draft_decoder = draft_decoder  # the draft's DecodeStep (a captured graph on a GPU), if any
+        self.verifier = verifier  # the target's VerifyStep (a captured graph on a GPU), if any
         self.stats = RoundStats()
         self.draft_path: str | None = None
 
@@ -201,13 +212,20 @@ class Speculator:
         self.stats = RoundStats()
         self._pending.append(token)
         device = self.target.device
+        plain_greedy = request.temperature == 0 and request.repeat_penalty == 1.0
+        on_device = None  # the last token as a device tensor, where a plain step made it
         while True:
             k = self.tuner.next_k(context - position - 1)
             if k == 0:
                 start = time.perf_counter()
-                recent = torch.tensor(history[-REPEAT_LAST_N:], dtype=torch.long, device=device)
-                logits = plain_step(torch.tensor(token, device=device), position)
-                token = self._choose(logits, recent, request, generator)
+                step_input = on_device if on_device is not None else torch.tensor(token, device=device)
+                logits = plain_step(step_input, position)
+                if plain_greedy:  # no history to send: the choice stays on the device until read
+                    on_device = torch.argmax(logits)
+                    token = int(on_device)
+                else:
+                    recent = torch.tensor(history[-REPEAT_LAST_N:], dtype=torch.long, device=device)
+                    token = self._choose(logits, recent, request, generator)
                 self.tuner.record_plain(time.perf_counter() - start)
                 self.stats.plain_steps += 1
                 self._pending.append(token)
@@ -215,16 +233,20 @@ class Speculator:
                 history.append(token)
                 yield token
                 continue
+            on_device = None
             start, caught_up = time.perf_counter(), self.stats.catch_up_s
             drafted, q_rows = self._draft(k, history, request, generator)
             draft_s = time.perf_counter() - start - (self.stats.catch_up_s - caught_up)
             start = time.perf_counter()
-            tokens = torch.tensor([token] + drafted, dtype=torch.long, device=device)
-            logits = self.target.step(tokens, torch.arange(position, position + k + 1, device=device),
-                                      position + k + 1, all_logits=True)  # [k+1, V]
+            if self.verifier is not None:
+                logits = self.verifier([token] + drafted, position)  # [k+1, V]
+            else:
+                tokens = torch.tensor([token] + drafted, dtype=torch.long, device=device)
+                logits = self.target.step(tokens, torch.arange(position, position + k + 1, device=device),
+                                          position + k + 1, all_logits=True)  # [k+1, V]
             kept, final = self._verify(logits, drafted, q_rows, history, request, generator)
             verify_s = time.perf_counter() - start
-            self.tuner.record_round(k, kept, draft_s, verify_s)
+            self.tuner.record_round(k, kept, draft_s, verify_s, self.stats.catch_up_s - caught_up)
             s = self.stats
             s.rounds, s.drafted, s.kept = s.rounds + 1, s.drafted + k, s.kept + kept
             s.draft_s, s.verify_s = s.draft_s + draft_s, s.verify_s + verify_s
@@ -252,19 +274,28 @@ class Speculator:
         if len(self._pending) > 2:  # catching up (the prompt, plain steps): timed apart from drafting
             start = time.perf_counter()
             behind = self._pending[:-1]
-            for begin in range(0, len(behind), self._chunk):
-                part = behind[begin:begin + self._chunk]
-                at = self._draft_len
-                self.draft.step(torch.tensor(part, dtype=torch.long, device=device),
-                                torch.arange(at, at + len(part), device=device), at + len(part))
-                self._draft_len = at + len(part)
+            if self.draft_decoder is not None and len(behind) <= REPLAY_MAX:
+                self._replay(behind)
+            else:
+                for begin in range(0, len(behind), self._chunk):
+                    part = behind[begin:begin + self._chunk]
+                    at = self._draft_len
+                    self.draft.step(torch.tensor(part, dtype=torch.long, device=device),
+                                    torch.arange(at, at + len(part), device=device), at + len(part))
+                    self._draft_len = at + len(part)
             self._pending = self._pending[-1:]
             self.stats.catch_up_s += time.perf_counter() - start
         feed = self._pending
         for _ in range(k):
             start = self._draft_len
-            if len(feed) == 1 and self.draft_decoder is not None:
-                logits = self.draft_decoder(torch.tensor(feed[0], device=device), start)
+            if self.draft_decoder is not None:
+                # One token a replay of the draft's captured step: after a round that kept every
+                # draft two tokens are pending, and an eager two-token step would cost more than
+                # two replays (on an H200, an E2B-shaped eager step took ~15 ms, a replay ~2.3).
+                self._replay(feed[:-1])
+                logits = self.draft_decoder(torch.tensor(feed[-1], device=device), self._draft_len)
+                start = self._draft_len
+                feed = feed[-1:]
             else:
                 logits = self.draft.step(torch.tensor(feed, dtype=torch.long, device=device),
                                          torch.arange(start, start + len(feed), device=device), start + len(feed))
@@ -282,9 +313,20 @@ class Speculator:
         self._pending = []
         return drafted, (torch.stack(q_rows) if q_rows else None)
 
+    def _replay(self, tokens: list[int]) -> None:
+        """The draft reads tokens one replay of its decode step each (their logits are not needed)."""
+        for value in tokens:
+            self.draft_decoder(torch.tensor(value, device=self.draft.device), self._draft_len)
+            self._draft_len += 1
+
     def _verify(self, logits, drafted, q_rows, history, request, generator) -> tuple[int, int]:
         """(drafts kept, the token after them) from the target's logits [k+1, V]."""
         device = logits.device
+        if request.temperature == 0 and request.repeat_penalty == 1.0:  # every row's choice in one transfer
+            choices = logits.argmax(-1).tolist()
+            for i, choice in enumerate(choices):
+                if i == len(drafted) or choice != drafted[i]:
+                    return i, choice
         rows = []
         for i in range(len(drafted) + 1):
             recent = torch.tensor((history[-REPEAT_LAST_N:] + drafted[:i])[-REPEAT_LAST_N:], dtype=torch.long,
