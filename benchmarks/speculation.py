@@ -85,6 +85,14 @@ def run_mode(plain, target: str, draft, request, repeats: int) -> dict:
     backend = EngineBackend(target, context_size=1024, draft=draft)
     measure(backend, replace(request, max_tokens=8))  # warm-up
     pairs = [(measure(plain, request), measure(backend, request)) for _ in range(repeats)]
+    row = summarize(pairs, backend.speculator.tuner)
+    backend.close()
+    return row
+
+
+def summarize(pairs: list, tuner) -> dict:
+    """A mode's row from its (plain, speculative) pairs of runs: medians of the rates and of the
+    pairs' ratios, whether every text equals plain decoding's, and the last run's speculation."""
     row = {}
     for key in ("decode_tok_s", "wall_tok_s"):
         row[key] = statistics.median(run[key] for _, run in pairs)
@@ -94,8 +102,7 @@ def run_mode(plain, target: str, draft, request, repeats: int) -> dict:
     row["same_text"] = all(run["text"] == base["text"] for base, run in pairs)
     spec = pairs[-1][1]["speculation"]
     row.update(acceptance=spec["acceptance"], rounds=spec["rounds"], plain_steps=spec["plain_steps"],
-               tokens_per_round=spec["tokens_per_round"], tuner=backend.speculator.tuner.summary())
-    backend.close()
+               tokens_per_round=spec["tokens_per_round"], tuner=tuner.summary())
     return row
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 import time
 from dataclasses import replace
@@ -39,6 +39,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests"), str(Path(__file__).resolve().parent)]
 
 import engine_cpu  # noqa: E402  benchmarks/engine_cpu.py: one generation, measured
+import speculation  # noqa: E402  benchmarks/speculation.py: a run with its rounds, and a mode's row
 
 PROMPT = "The old lighthouse keeper climbed the stairs every evening. He lit the lamp, watched the ships, and"
 BRANCH_NORMS = ("post_attention", "post_feedforward", "post_per_layer_input")
@@ -103,35 +104,15 @@ def paired(backend, speculator, make_tuner, request, repeats: int) -> dict:
     pairs = []
     for _ in range(repeats):
         backend.speculator = None
-        base = engine_cpu.measure(backend, request)
+        base = speculation.measure(backend, request)
         backend.speculator = speculator
-        run = engine_cpu.measure(backend, request)
-        run["speculation"] = speculator.stats.to_dict()
-        pairs.append((base, run))
-    row = {}
-    for key in ("decode_tok_s", "wall_tok_s"):
-        row[key] = round(statistics.median(run[key] for _, run in pairs), 2)
-        row["plain_" + key] = round(statistics.median(base[key] for base, _ in pairs), 2)
-        row[key.removesuffix("_tok_s") + "_vs_plain"] = round(statistics.median(run[key] / base[key]
-                                                                                for base, run in pairs), 3)
-    row["same_text"] = all(run["text"] == base["text"] for base, run in pairs)
+        pairs.append((base, speculation.measure(backend, request)))
+    row = speculation.summarize(pairs, speculator.tuner)
     # Where the texts part (a share of plain decoding's text): a batched verify step on a GPU can
     # round a near-tie differently from one-token steps.
-    row["agreement"] = round(min(_common_prefix(run["text"], base["text"]) / max(len(base["text"]), 1)
+    row["agreement"] = round(min(len(os.path.commonprefix([run["text"], base["text"]])) / max(len(base["text"]), 1)
                                  for base, run in pairs), 3)
-    spec = pairs[-1][1]["speculation"]
-    row.update(acceptance=spec["acceptance"], rounds=spec["rounds"], plain_steps=spec["plain_steps"],
-               tokens_per_round=spec["tokens_per_round"], tuner=speculator.tuner.summary())
     return row
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main() -> None:

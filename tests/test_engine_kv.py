@@ -227,13 +227,14 @@ def test_rope_tables_equal_transformers_rotary_modules(artifacts, kind, yarn, dt
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
-    from gemmactl.runtime.engine.spec import hf_text_config, rope_frequencies, rope_rows, rope_tables, yarn_config
+    from gemmactl.runtime.engine.spec import hf_text_config, rope_frequencies, rope_rows, yarn_config
 
     config = artifacts(kind).config
     hf = hf_text_config(yarn_config(config, yarn) if yarn else config)
     rotary = (Gemma3RotaryEmbedding if kind.startswith("gemma3") else Gemma4TextRotaryEmbedding)(hf)
     length = 300
-    tables = rope_tables(config, length, dtype, yarn=yarn)
+    tables = {kind_name: rope_rows(torch.arange(length), inv_freq, scaling, dtype)  # every position: a whole table
+              for kind_name, (inv_freq, scaling) in rope_frequencies(config, yarn).items()}
     assert set(tables) == set(hf.layer_types)
     for kind_name, (cos, sin) in tables.items():
         want_cos, want_sin = rotary(torch.zeros(1, dtype=dtype), torch.arange(length).unsqueeze(0), kind_name)

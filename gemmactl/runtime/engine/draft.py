@@ -85,7 +85,7 @@ def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str])
     except RuntimeError as exc:  # e.g. out of device memory for the verify step's graph
         notices.append(f"the verify step for the draft {draft.path} could not be captured ({_first_line(exc)}); "
                        "verifying eagerly")
-        verifier = VerifyStep(backend.model, draft.k_max + 1, captured=False)
+        verifier = None  # the Speculator's own, eager
     speculator = Speculator(backend.model, model, Tuner(draft.k_max, fixed=None if draft.tune else draft.k_max), step,
                             verifier)
     speculator.draft_path = draft.path

@@ -118,7 +118,7 @@ class DecodeStep:
         self.token.copy_(token.reshape(1))
         self.position.fill_(position)
         if self.model.placement.tables_on_host:
-            _fill_rows(self.model, self.token, self.x, self.per_layer)
+            fill_rows(self.model, self.token, self.x, self.per_layer)
         self.graph.replay()
         return self.logits
 
@@ -135,22 +135,33 @@ def capture(model, step, tokens: torch.Tensor, positions: torch.Tensor, all_logi
         body = lambda: model.forward(x, per_layer, positions, all_logits=all_logits)  # noqa: E731
     else:
         body = lambda: step(tokens, positions, all_logits=all_logits)  # noqa: E731
-    # Warm up on a side stream (compilation, cuBLAS handles, allocator), then capture.
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.inference_mode():
-        for _ in range(3):
-            body()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.inference_mode():
-        logits = body()
+    graph, logits = capture_body(body, warmups=3)
     model.reset()  # the warm-up and capture wrote the first positions of the caches
     return graph, logits, x, per_layer
 
 
-def _fill_rows(model, tokens: torch.Tensor, x, per_layer) -> None:
-    """The host's row gather for a captured step whose tables are in host memory."""
+def warm_up(body, times: int) -> None:
+    """Run body `times` times on a side stream (compilation, cuBLAS handles, the allocator), as a
+    capture needs before it begins."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(times):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+def capture_body(body, warmups: int):
+    """(graph, output): body warmed up, then captured in a CUDA graph; its output a static buffer."""
+    warm_up(body, warmups)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        output = body()
+    return graph, output
+
+
+def fill_rows(model, tokens: torch.Tensor, x, per_layer) -> None:
+    """The host's row gather for a captured step that starts from the gathered rows."""
     with torch.inference_mode():
         rows, per_layer_rows = model.embed_tokens(tokens)
         x.copy_(rows)
@@ -200,6 +211,6 @@ class VerifyStep:
             with torch.inference_mode():
                 return model.step(self.tokens, self.positions, all_logits=True)[:n]
         if model.placement.tables_on_host:
-            _fill_rows(model, self.tokens, self.x, self.per_layer)
+            fill_rows(model, self.tokens, self.x, self.per_layer)
         self.graph.replay()
         return self.logits[:n]

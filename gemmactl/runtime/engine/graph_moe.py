@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from gemmactl.runtime.engine.graph import capture_body, fill_rows, warm_up
+
 
 class PiecewiseDecode:
     """One token's step of an MoE model: graphs between routing decisions, the experts eager."""
@@ -42,13 +44,8 @@ class PiecewiseDecode:
 
     def _capture(self) -> None:
         model = self.model
-        # Warm up on a side stream (cuBLAS handles, kernels, the allocator), eagerly, experts included.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(2):
-                model.forward(self.x, self.per_layer, self.position)
-        torch.cuda.current_stream().wait_stream(stream)
+        # Warm up (cuBLAS handles, kernels, the allocator), eagerly, experts included.
+        warm_up(lambda: model.forward(self.x, self.per_layer, self.position), 2)
         pool = torch.cuda.graph_pool_handle()
         open_capture: list = []
 
@@ -90,11 +87,8 @@ class PiecewiseDecode:
         self.token.copy_(token.reshape(1))
         self.position.fill_(position)
         arena = self.model.experts.store.arena
+        fill_rows(self.model, self.token, self.x, self.per_layer)
         with torch.inference_mode():
-            x, per_layer = self.model.embed_tokens(self.token)
-            self.x.copy_(x)
-            if per_layer is not None:
-                self.per_layer.copy_(per_layer)
             for i, graph in enumerate(self.graphs):
                 graph.replay()
                 if i:
@@ -136,15 +130,7 @@ class TableDecode:
             return call.block.table_sum(call.x, call.weights, call.experts)
 
         body = lambda: model.forward(self.x, self.per_layer, self.position, experts_of=table)  # noqa: E731
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.inference_mode():
-            self.logits = body()  # [V]
+        self.graph, self.logits = capture_body(body, warmups=2)  # logits [V]
         model.reset()  # the warm-up and capture wrote position 0 of the caches
         experts.counters.__init__()  # the warm-up's experts are not the caller's (it never called replayed())
         experts.cache.hits = experts.cache.misses = 0
@@ -157,11 +143,7 @@ class TableDecode:
             experts.rebuild_table()
         self.token.copy_(token.reshape(1))
         self.position.fill_(position)
-        with torch.inference_mode():
-            x, per_layer = self.model.embed_tokens(self.token)
-            self.x.copy_(x)
-            if per_layer is not None:
-                self.per_layer.copy_(per_layer)
+        fill_rows(self.model, self.token, self.x, self.per_layer)
         self.graph.replay()
         experts.replayed()
         return self.logits

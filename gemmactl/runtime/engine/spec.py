@@ -190,16 +190,6 @@ def rope_rows(positions, inv_freq, scaling: float, dtype):
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
-def rope_tables(config: dict, length: int, dtype, device="cpu", yarn: float | None = None) -> dict:
-    """cos and sin per layer kind for positions 0..length-1: {kind: (cos [length, D], sin [length, D])}
-    (rope_frequencies and rope_rows over every position)."""
-    import torch
-
-    positions = torch.arange(length)
-    return {kind: tuple(t.to(device) for t in rope_rows(positions, inv_freq, scaling, dtype))
-            for kind, (inv_freq, scaling) in rope_frequencies(config, yarn).items()}
-
-
 def _default_rope(config, kind: str):
     """The original rope's inverse frequencies (as the rotary modules' default), and no scaling."""
     import torch

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gemmactl.runtime.base import REPEAT_LAST_N
+from gemmactl.runtime.engine.graph import VerifyStep
 from gemmactl.runtime.engine.sampler import penalized, probabilities
 
 PROBE_EVERY = 32  # plain tokens before the first probe while speculation is off; doubles after each failed probe
@@ -190,7 +191,8 @@ class Speculator:
     def __init__(self, target, draft, tuner: Tuner, draft_decoder=None, verifier=None):
         self.target, self.draft, self.tuner = target, draft, tuner
         self.draft_decoder = draft_decoder  # the draft's DecodeStep (a captured graph on a GPU), if any
-        self.verifier = verifier  # the target's VerifyStep (a captured graph on a GPU), if any
+        # The target's VerifyStep (a captured graph on a GPU); by default an eager one.
+        self.verifier = verifier or VerifyStep(target, tuner.k_max + 1, captured=False)
         self.stats = RoundStats()
         self.draft_path: str | None = None
 
@@ -238,12 +240,7 @@ class Speculator:
             drafted, q_rows = self._draft(k, history, request, generator)
             draft_s = time.perf_counter() - start - (self.stats.catch_up_s - caught_up)
             start = time.perf_counter()
-            if self.verifier is not None:
-                logits = self.verifier([token] + drafted, position)  # [k+1, V]
-            else:
-                tokens = torch.tensor([token] + drafted, dtype=torch.long, device=device)
-                logits = self.target.step(tokens, torch.arange(position, position + k + 1, device=device),
-                                          position + k + 1, all_logits=True)  # [k+1, V]
+            logits = self.verifier([token] + drafted, position)  # [k+1, V]
             kept, final = self._verify(logits, drafted, q_rows, history, request, generator)
             verify_s = time.perf_counter() - start
             self.tuner.record_round(k, kept, draft_s, verify_s, self.stats.catch_up_s - caught_up)
@@ -287,19 +284,18 @@ class Speculator:
             self.stats.catch_up_s += time.perf_counter() - start
         feed = self._pending
         for _ in range(k):
-            start = self._draft_len
             if self.draft_decoder is not None:
                 # One token a replay of the draft's captured step: after a round that kept every
                 # draft two tokens are pending, and an eager two-token step would cost more than
                 # two replays (on an H200, an E2B-shaped eager step took ~15 ms, a replay ~2.3).
                 self._replay(feed[:-1])
                 logits = self.draft_decoder(torch.tensor(feed[-1], device=device), self._draft_len)
-                start = self._draft_len
-                feed = feed[-1:]
+                self._draft_len += 1
             else:
+                start = self._draft_len
                 logits = self.draft.step(torch.tensor(feed, dtype=torch.long, device=device),
                                          torch.arange(start, start + len(feed), device=device), start + len(feed))
-            self._draft_len = start + len(feed)
+                self._draft_len = start + len(feed)
             recent = torch.tensor(draft_history[-REPEAT_LAST_N:], dtype=torch.long, device=device)
             if request.temperature == 0:
                 value = int(torch.argmax(penalized(logits, recent, request)))
