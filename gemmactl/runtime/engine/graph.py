@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from gemmactl.runtime.engine.capture import capture_body, fill_rows
 from gemmactl.runtime.engine.placement import HOST, RESIDENT
 
 COMPILE_ENV = "GEMMACTL_ENGINE_COMPILE"  # auto (on for CUDA) | on | max (inductor's autotuning too) | off
@@ -138,35 +139,6 @@ def capture(model, step, tokens: torch.Tensor, positions: torch.Tensor, all_logi
     graph, logits = capture_body(body, warmups=3)
     model.reset()  # the warm-up and capture wrote the first positions of the caches
     return graph, logits, x, per_layer
-
-
-def warm_up(body, times: int) -> None:
-    """Run body `times` times on a side stream (compilation, cuBLAS handles, the allocator), as a
-    capture needs before it begins."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.inference_mode():
-        for _ in range(times):
-            body()
-    torch.cuda.current_stream().wait_stream(stream)
-
-
-def capture_body(body, warmups: int):
-    """(graph, output): body warmed up, then captured in a CUDA graph; its output a static buffer."""
-    warm_up(body, warmups)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.inference_mode():
-        output = body()
-    return graph, output
-
-
-def fill_rows(model, tokens: torch.Tensor, x, per_layer) -> None:
-    """The host's row gather for a captured step that starts from the gathered rows."""
-    with torch.inference_mode():
-        rows, per_layer_rows = model.embed_tokens(tokens)
-        x.copy_(rows)
-        if per_layer_rows is not None:
-            per_layer.copy_(per_layer_rows)
 
 
 class VerifyStep:

@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from gemmactl.runtime.engine.graph import capture_body, fill_rows, warm_up
+from gemmactl.runtime.engine.capture import capture_body, fill_rows, warm_up
 
 
 class PiecewiseDecode:
