@@ -86,6 +86,44 @@ def test_more_memory_never_predicts_a_slower_decode(artifact):
         previous = chosen
 
 
+def test_the_predicted_rate_counts_the_reads_of_the_kv_caches(artifact):
+    """Each step reads every attention layer's cache (a sliding layer's window at most, a sharing
+    layer its producer's): all of it in a captured step, as far as it is filled in an eager one."""
+    from gemmactl.formats.int4.reader import read_index
+    from gemmactl.plan.engine_map import cpu_decode_tok_s
+    from gemmactl.runtime.engine.kv_modes import pair_bytes
+    from gemmactl.runtime.engine.spec import model_spec
+
+    index = read_index(artifact)
+    spec = model_spec(index["config"], {r["name"]: tuple(r.get("stack_shape") or r["shape"]) for r in index["tensors"]})
+    assert 0 < spec.window < CONTEXT  # both kinds of cache, so the caps differ
+    owner = {layer.index: layer for layer in spec.layers}
+
+    def read_bytes(position, mode="bf16"):
+        total = 0
+        for layer in spec.layers:
+            source = owner[layer.kv_from]
+            slots = min(position, spec.window if source.kind == "sliding_attention" else CONTEXT)
+            total += slots * source.kv_heads * pair_bytes(mode, source.head_dim)
+        return total
+
+    assert pair_bytes("bf16", 256) == 2 * 256 * 2  # a key and a value in bfloat16
+    # Captured (every layer on the GPU): the whole cache at every position; a quantized cache in
+    # fewer bytes, and the weights' part the same, so the two rates differ by the reads alone.
+    wide, small = (plan_engine(artifact, PROFILE, 64 << 30, CONTEXT, mode) for mode in ("bf16", "tq4"))
+    assert wide.captured and wide.decode_tok_s_at(0) == wide.decode_tok_s_at(CONTEXT) == wide.decode_tok_s
+    assert 1 / wide.decode_tok_s - 1 / small.decode_tok_s == pytest.approx(
+        (read_bytes(CONTEXT) - read_bytes(CONTEXT, "tq4")) / PROFILE.gpu_bandwidth, rel=1e-6)
+    assert wide.to_dict()["decode_tok_s_start"] == wide.to_dict()["decode_tok_s"]
+    # Eager (every layer on the CPU): what is written so far, at the CPU's bandwidth.
+    start = cpu_decode_tok_s(artifact, PROFILE, CONTEXT)
+    for position in (1, spec.window, CONTEXT // 2, CONTEXT, 10 * CONTEXT):
+        rate = cpu_decode_tok_s(artifact, PROFILE, CONTEXT, position=position)
+        assert 1 / rate - 1 / start == pytest.approx(read_bytes(position) / PROFILE.cpu_bandwidth, rel=1e-6)
+    assert cpu_decode_tok_s(artifact, PROFILE, CONTEXT, position=10 * CONTEXT) == \
+        cpu_decode_tok_s(artifact, PROFILE, CONTEXT, position=CONTEXT)  # no cache holds more
+
+
 def test_below_the_minimum_the_error_names_it(artifact):
     minimum = whole(artifact).minimum_vram_bytes
     with pytest.raises(BudgetTooSmallError) as caught:

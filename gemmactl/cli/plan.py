@@ -195,7 +195,9 @@ def _render_engine(data: dict, engine: dict) -> list[str]:
         f"GPU: {format_size(gpu['total'])} of {format_size(data['budget']['vram_bytes'])} ({parts}); "
         f"least that works: {format_size(engine['minimum_vram_bytes'])}",
         f"host memory: {format_size(engine['host_bytes'])}; over the link per token: {format_size(engine['link_bytes_per_token'])}",
-        f"predicted: decode {engine['decode_tok_s']:.1f} tok/s",
+        f"predicted: decode {engine['decode_tok_s']:.1f} tok/s"
+        + (" (a captured step reads every cache slot)" if engine["captured"] else
+           f" with the caches full ({engine['context']} tokens), {engine['decode_tok_s_start']:.1f} at the start"),
     ]
     if engine.get("experts"):
         e = engine["experts"]

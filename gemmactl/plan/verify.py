@@ -153,11 +153,14 @@ def verify_engine_plan(result, open_backend: Callable[..., Backend], *, store=No
     machine = detect_machine()
     kv_mode = chosen.kv_mode if chosen is not None else None
     if chosen is not None and torch.cuda.is_available():
-        placement, predicted, where = placement_of(chosen, plan.profile), chosen.decode_tok_s, "plan"
+        placement, where = placement_of(chosen, plan.profile), "plan"
+        predict = chosen.decode_tok_s_at
     else:
         here, _ = machine_profile(store.home / "plan", machine)
-        predicted = cpu_decode_tok_s(result.model_path, here, plan.context, kv_mode)
         placement, where = None, "cpu (no usable GPU here)"
+
+        def predict(position: int) -> float:
+            return cpu_decode_tok_s(result.model_path, here, plan.context, kv_mode, position)
     layers = placement.layers if placement is not None else ()
     counts = {kind: sum(1 for k in layers if k == kind) for kind in ("resident", "streamed", "host")}
     if placement is None:
@@ -184,6 +187,8 @@ def verify_engine_plan(result, open_backend: Callable[..., Backend], *, store=No
         measured, decoded = timings.decode_tokens / timings.decode_s, timings.decode_tokens
     else:
         measured, decoded = stats.decode_tok_s or 0.0, max(stats.generated_tokens - 1, 0)
+    # predicted where the decode ran: the cache filled to the prompt and half the tokens decoded
+    predicted = predict(stats.prompt_tokens + decoded // 2)
     budget = plan.budget.vram_bytes
     return VerifyResult(
         n_gpu_layers=counts["resident"],
