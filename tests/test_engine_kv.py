@@ -244,3 +244,120 @@ def test_rope_tables_equal_transformers_rotary_modules(artifacts, kind, yarn, dt
         cos, sin = rope_rows(positions, inv_freq, scaling, dtype)
         want_cos, want_sin = rotary(torch.zeros(1, dtype=dtype), positions.unsqueeze(0), kind_name)
         assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), kind_name
+
+
+_INTERPRETED_READ = """
+import sys, torch
+from gemmactl.formats.int4.reader import open_artifact
+from gemmactl.runtime.engine import kv_attention
+from gemmactl.runtime.engine.kv import make_cache
+from gemmactl.runtime.engine.model import GemmaModel
+
+# the kernel alone against attention over the decoded cache: every mode, unwritten slots, a window,
+# grouped heads, several query rows at different positions, slots no multiple of a block
+torch.manual_seed(0)
+for mode in ("int8", "tq4", "tq3"):
+    for slots, heads, groups, dim, rows, window in ((40, 2, 4, 32, 1, 0), (37, 1, 8, 64, 3, 16), (70, 2, 2, 32, 2, 0)):
+        cache = make_cache(mode, slots, heads, dim, False, torch.float32, "cpu")
+        written = slots - 3
+        cache.begin(torch.randn(slots, heads, dim) + 0.5, torch.randn(slots, heads, dim))
+        cache.write(torch.randn(written, heads, dim) * 2 + 0.5, torch.randn(written, heads, dim), torch.arange(written))
+        k, v = cache.read(slots)
+        q = torch.randn(rows, heads, groups, dim)
+        positions = torch.tensor([written - 1 - 5 * i for i in range(rows)])
+        scores = torch.einsum("tkgd,skd->tkgs", q, k) * 0.125
+        seen = (cache.pos[None, :] <= positions[:, None]) & (cache.pos[None, :] >= 0)
+        if window:
+            seen &= cache.pos[None, :] > positions[:, None] - window
+        want = torch.einsum("tkgs,skd->tkgd", torch.softmax(scores.masked_fill(~seen[:, None, None, :], -1e30), -1), v)
+        parts = cache.fused_parts(slots)
+        got = kv_attention.quantized_attention(q, *parts["k"], *parts["v"], cache.pos, positions, parts["k_bits"],
+                                               parts["v_bits"], 0.125, window)
+        assert (got - want).abs().max() <= 0.02 * want.abs().max(), (mode, slots, rows, window)
+
+# the engine: at every read the fused path takes, the torch read of the same cache and queries
+# beside it (compared call by call: a random tiny model's logits amplify float16 rounding over
+# its layers and steps), prefill in chunks the kernel takes, then decode; reading the written
+# slots or every slot, as a captured step does
+artifact = open_artifact(sys.argv[1])
+prompt = [2, 818, 5279, 529, 7001, 563, 496, 1401] * 3
+fused, seen = GemmaModel._scores_fused, []
+
+
+def both(self, layer, q, cache, held, positions):
+    got = fused(self, layer, q, cache, held, positions)
+    (k, v), key_positions = cache.read(held), cache.pos[:held]
+    want = self._scores(layer, q, k, v, key_positions, positions, cache.rotation, cache.value_offset)
+    seen.append((layer.spec.kind, q.shape[0], float((got - want).abs().max() / want.abs().max())))
+    return got
+
+
+GemmaModel._scores_fused = both
+kv_attention.os.environ[kv_attention.ENV] = "on"
+for mode in ("tq4", "tq3", "int8"):
+    engine = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=48, kv_mode=mode)
+    for bounded in (True, False):
+        engine.reset()
+        with torch.inference_mode():
+            for start in range(0, len(prompt), 6):
+                stop = start + 6
+                out = engine.step(torch.tensor(prompt[start:stop]), torch.arange(start, stop), stop if bounded else None)
+            for position in range(len(prompt), len(prompt) + 6):
+                out = engine.step(out.argmax().view(1), torch.tensor([position]), position + 1 if bounded else None)
+assert {rows for _, rows, _ in seen} >= {1, 6}, seen
+assert max(error for _, _, error in seen) <= 5e-3, max(seen, key=lambda x: x[2])
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("kind", ["gemma3-tiny", "shared-kv"])
+def test_the_fused_read_of_a_quantized_cache_attends_as_the_torch_read(artifacts, kind):
+    """The Triton kernel that reads a quantized cache's codes in place (kv_attention.py), run by
+    Triton's interpreter on the CPU (a process of its own: the interpreter is chosen when Triton is
+    imported; it has no bfloat16, so tl.dot takes float16 there): alone, against attention over
+    the decoded cache for every mode; in the engine, each read it makes beside the torch read of
+    the same cache and queries, prefill in chunks and decode, reading the written slots or every
+    slot (as a captured step does). On CUDA the engine takes it by default."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
+    artifact = artifacts(kind)
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_READ, str(artifact.path)], capture_output=True,
+                          text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gemma3-tiny", "shared-kv"])
+@pytest.mark.parametrize("mode", ["tq4", "int8"])
+def test_gpu_fused_read_attends_as_the_torch_read_and_is_captured(artifacts, kind, mode, monkeypatch):
+    """On CUDA the engine reads a quantized cache with the fused kernel: at each read it matches the
+    torch read of the same cache and queries (up to the kernel's bfloat16 products), and the
+    captured step gives the eager step's tokens."""
+    from gemmactl.runtime.engine.graph import DecodeStep
+    from gemmactl.runtime.engine.model import GemmaModel
+
+    monkeypatch.setenv("GEMMACTL_ENGINE_KERNEL", "dense")
+    monkeypatch.setenv("GEMMACTL_ENGINE_COMPILE", "off")
+    monkeypatch.delenv("GEMMACTL_KV_KERNEL", raising=False)
+    engine = GemmaModel(artifacts(kind), device="cuda", dtype=torch.float32, context=64, kv_mode=mode)
+    fused, errors = GemmaModel._scores_fused, []
+
+    def both(self, layer, q, cache, held, positions):
+        got = fused(self, layer, q, cache, held, positions)
+        (k, v), key_positions = cache.read(held), cache.pos[:held]
+        want = self._scores(layer, q, k, v, key_positions, positions, cache.rotation, cache.value_offset)
+        errors.append(float((got - want).abs().max() / want.abs().max()))
+        return got
+
+    monkeypatch.setattr(GemmaModel, "_scores_fused", both)
+    expected, _ = engine_greedy(engine, PROMPT, 12)  # eager, bounded
+    assert errors and max(errors) <= 2e-2, max(errors)
+    monkeypatch.setattr(GemmaModel, "_scores_fused", fused)
+    step = DecodeStep(engine)
+    assert step.graph is not None
+    tokens, _ = engine_greedy(engine, PROMPT, 12, decoder=step)
+    assert tokens == expected

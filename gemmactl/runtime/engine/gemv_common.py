@@ -48,6 +48,15 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def dot_dtype():
+    """The dtype the kernels hand tl.dot: bfloat16, as the engine computes; float16 under Triton's
+    CPU interpreter (the tests' way to run a kernel without a GPU), whose tl.dot takes bfloat16
+    bits for integers (Triton 3.8)."""
+    import triton.language as tl
+
+    return tl.float16 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+
+
 def available(device) -> bool:
     """Whether a Triton GEMV can run on device (CUDA with Triton importable)."""
     if torch.device(device).type != "cuda":

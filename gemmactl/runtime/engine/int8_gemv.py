@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from gemmactl.runtime.engine.gemv_common import available, split_k, tile_setting  # noqa: F401 (available: kernels.py)
+from gemmactl.runtime.engine.gemv_common import available, dot_dtype, split_k, tile_setting  # noqa: F401 (available: kernels.py)
 from gemmactl.runtime.engine.gemv_common import sms as _sms
 
 TILE_ENV = "GEMMACTL_INT8_TILE"  # "ROWS,COLS,WARPS[,PROGRAMS]": one tile for every shape, to measure one
@@ -127,7 +127,7 @@ def _few_kernel():
 
     @triton.jit
     def int8_rows_few(x_ptr, q_ptr, s_ptr, y_ptr, T, N, K, stride_x, stride_q, K_PER,
-                      BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         toks = tl.arange(0, BLOCK_T)  # [BT]
         row_ok, tok_ok = rows < N, toks < T
@@ -137,9 +137,9 @@ def _few_kernel():
             cols = first + offset + tl.arange(0, BLOCK_K)  # [BK]
             col_ok = cols < K
             x = tl.load(x_ptr + toks[:, None] * stride_x + cols[None, :],
-                        mask=tok_ok[:, None] & col_ok[None, :], other=0.0).to(tl.bfloat16)  # [BT, BK]
+                        mask=tok_ok[:, None] & col_ok[None, :], other=0.0).to(DOT)  # [BT, BK]
             q = tl.load(q_ptr + rows[:, None] * stride_q + cols[None, :],
-                        mask=row_ok[:, None] & col_ok[None, :], other=0).to(tl.bfloat16)  # [BN, BK], exact
+                        mask=row_ok[:, None] & col_ok[None, :], other=0).to(DOT)  # [BN, BK], exact
             acc += tl.dot(x, tl.trans(q))  # [BT, BN], float32
         scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         out = y_ptr + tl.program_id(1) * T * N + toks[:, None] * N + rows[None, :]
@@ -162,7 +162,8 @@ def int8_rows_few(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) 
     y = torch.empty((splits, tokens, out_features), dtype=dtype, device=x.device)
     kernel[(triton.cdiv(out_features, tile.rows), splits)](x, qweight, scales, y, tokens, out_features, in_features,
                                                            x.stride(0), qweight.stride(0), per, BLOCK_T=16,
-                                                           BLOCK_N=tile.rows, BLOCK_K=tile.cols, num_warps=tile.warps)
+                                                           BLOCK_N=tile.rows, BLOCK_K=tile.cols, DOT=dot_dtype(),
+                                                           num_warps=tile.warps)
     return y[0] if splits == 1 else y.sum(0).to(x.dtype)
 
 

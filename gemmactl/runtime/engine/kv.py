@@ -160,6 +160,12 @@ class CenteredKVCache(KVCache):
     def space(self, k, v):
         return tuple(self._decode(*self._encode_as(name, x), name) for name, x in (("k", k), ("v", v)))
 
+    def fused_parts(self, held: int) -> dict:
+        """The first held slots as the fused read takes them (kv_attention.py): per name, codes
+        [held, K, D·bits/8] as bytes, scales [held, K] and the level table codes index; and the bits."""
+        return {**{name: (self.codes[name][:held].view(torch.uint8), self.scales[name][:held], self._table(name))
+                   for name in "kv"}, "k_bits": self._bits("k"), "v_bits": self._bits("v")}
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.codes.values(), *self.scales.values(), self.pos))
 
@@ -181,6 +187,16 @@ class Int8KVCache(CenteredKVCache):
 
     def _decode(self, codes, scale, name):
         return (codes.float() * scale.float().unsqueeze(-1)).to(self.dtype)
+
+    def _bits(self, name):
+        return 8
+
+    def _table(self, name):
+        """The signed value of each byte, indexed by the byte read unsigned."""
+        if getattr(self, "_signed", None) is None or self._signed.device != self.device:
+            byte = torch.arange(256, dtype=torch.float32, device=self.device)
+            self._signed = torch.where(byte >= 128, byte - 256, byte)
+        return self._signed
 
 
 def gaussian_levels(bits: int) -> tuple[list[float], list[float]]:
@@ -254,6 +270,12 @@ class TurboKVCache(CenteredKVCache):
     def _decode(self, packed, scale, name):
         values = self.levels[name][self._unpack(packed, self.bits[name]).long()] * scale.float().unsqueeze(-1)
         return values.to(self.dtype)
+
+    def _bits(self, name):
+        return self.bits[name]
+
+    def _table(self, name):
+        return self.levels[name]
 
     @staticmethod
     def _pack(codes, bits: int):

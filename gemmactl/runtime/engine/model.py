@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from gemmactl.runtime.engine import kv_attention
 from gemmactl.runtime.engine.kernels import Linear, RepackCache, join_linears, joining, make_linear
 from gemmactl.runtime.engine.kv import KVCache, make_cache
 from gemmactl.runtime.engine.ops import rms_norm
@@ -403,6 +404,9 @@ class GemmaModel:
                 return self._scores(layer, q, *keys, positions, cache.rotation, cache.value_offset)
             cache.write(k, v, positions)
         held = cache.slots if end is None else min(cache.slots, end)  # a ring fills slots 0.. first
+        if cache.mode != "bf16" and cache.device == q.device and not self.spec.attn_softcap \
+                and kv_attention.usable(q.device, t, s.head_dim):
+            return self._scores_fused(layer, q, cache, held, positions)
         if cache.mode != "bf16" and held > cache.read_block:
             return self._scores_by_blocks(layer, q, cache, held, positions)
         (k, v), key_positions = cache.read(held), cache.pos[:held]
@@ -466,6 +470,20 @@ class GemmaModel:
             most = new_most
         out = (summed / total[..., None]).to(q.dtype)  # [T, K, g, D]
         return self._attended(layer, out, rotation, offset)
+
+    def _scores_fused(self, layer: Layer, q, cache, held: int, positions) -> torch.Tensor:
+        """_scores over a quantized cache by the fused read (kv_attention.py): the codes of the first
+        held slots read inside one kernel, nothing decoded into memory; a few query rows at most."""
+        s, t = layer.spec, q.shape[0]
+        rotation = cache.rotation
+        if rotation is not None:
+            q = q @ rotation
+        parts = cache.fused_parts(held)
+        window = self.spec.window if s.kind == SLIDING and self.spec.window else 0
+        out = kv_attention.quantized_attention(
+            q.reshape(t, s.kv_heads, s.heads // s.kv_heads, s.head_dim), *parts["k"], *parts["v"], cache.pos[:held],
+            positions, parts["k_bits"], parts["v_bits"], float(self.spec.query_scale), int(window))
+        return self._attended(layer, out.to(q.dtype), rotation, cache.value_offset)
 
     def _masked_scores(self, s, qg, k, key_positions, positions) -> torch.Tensor:
         """q·k scaled (soft-capped where the model does), unseen keys at the dtype's minimum:
