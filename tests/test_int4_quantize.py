@@ -274,8 +274,8 @@ def test_progress_counts_encoding_work_and_a_resumed_run_starts_at_what_is_done(
 # -- a random model written straight to int4-stream (what the 26B-A4B benchmark uses) ------------
 
 
-@pytest.mark.parametrize("kind", ["moe", "e2b-tiny"])
-def test_a_random_artifact_has_the_records_of_a_quantized_checkpoint(tiny_gemma4, tmp_path, kind):
+@pytest.mark.parametrize("kind, layout", [("moe", "int8"), ("e2b-tiny", "int8"), ("e2b-tiny", "int4")])
+def test_a_random_artifact_has_the_records_of_a_quantized_checkpoint(tiny_gemma4, tmp_path, kind, layout):
     """write_random_int4 writes no checkpoint, yet the same records (names, experts, shapes, schemes,
     dtypes) as quantizing a saved random checkpoint of the kind; its weights decode with
     transformers' spread (std 0.02), its norms are ones, and the engine and the plan take it."""
@@ -286,11 +286,15 @@ def test_a_random_artifact_has_the_records_of_a_quantized_checkpoint(tiny_gemma4
     from gemmactl.runtime.engine.model import GemmaModel
     from helpers.random_gemma import write_random_int4
 
-    made = open_artifact(write_random_int4(kind, tmp_path / "random", group_size=32))
-    quantize_checkpoint(tiny_gemma4(kind), tmp_path / "quantized", QuantizeOptions(group_size=32, search=False))
+    made = open_artifact(write_random_int4(kind, tmp_path / "random", group_size=32, sensitive=layout,
+                                           embeddings=layout))
+    quantize_checkpoint(tiny_gemma4(kind), tmp_path / "quantized",
+                        QuantizeOptions(group_size=32, search=False, sensitive=layout, embeddings=layout))
     reference = open_artifact(tmp_path / "quantized")
     fields = lambda artifact: {(r.key, r.shape, r.scheme, r.group_size, r.dtype) for r in artifact.records}  # noqa: E731
     assert fields(made) == fields(reference)
+    schemes = {r.scheme for r in made.records if r.key.endswith(("v_proj.weight", "down_proj.weight", "embed_tokens.weight"))}
+    assert schemes == {layout}
     assert made.config["model_type"] == reference.config["model_type"]
 
     weight = made.decode(made.record("model.layers.0.self_attn.q_proj.weight"), "cpu", torch.float32)

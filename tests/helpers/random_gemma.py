@@ -232,7 +232,8 @@ def build_random_assistant(target_kind: str, out_dir: Path, *, seed: int = 1, la
 
 
 def write_random_int4(kind: str, out_dir: Path, *, seed: int = 0, vocab: Path | None = None, group_size: int = 64,
-                      progress=None, embed_from: Path | None = None) -> Path:
+                      progress=None, embed_from: Path | None = None, sensitive: str = "int8",
+                      embeddings: str = "int8") -> Path:
     """Write a random model of a kind straight to an int4-stream artifact: the records a quantized
     checkpoint of it would have, with random codes and sane scales, and no checkpoint on disk or
     in memory (one block of rows at a time). Decoded weights are uniform with the standard
@@ -240,7 +241,9 @@ def write_random_int4(kind: str, out_dir: Path, *, seed: int = 0, vocab: Path | 
 
     embed_from: another artifact of the same vocabulary and a hidden size no larger: this model's
     token embedding (and so its tied head) is that one's, its rows padded with zeros (a target and
-    draft whose logits agree where their layers add little: benchmarks/speculation_gpu.py)."""
+    draft whose logits agree where their layers add little: benchmarks/speculation_gpu.py).
+    sensitive, embeddings: the layout `gemmactl quantize --int4-stream` takes as --sensitive and
+    --embeddings (int8 rows by default; int4 for an artifact with every matrix in groups)."""
     import json
     import tempfile
     import zlib
@@ -304,7 +307,8 @@ def write_random_int4(kind: str, out_dir: Path, *, seed: int = 0, vocab: Path | 
         tensors = tuple(SourceTensor(name, shape, "bfloat16", folder / "random") for name, shape in shapes.items())
         checkpoint = Checkpoint(folder, json.loads((folder / "config.json").read_text()), tensors,
                                 f"random:{kind}:{seed}")
-        write_artifact(checkpoint, Path(out_dir), QuantizeOptions(group_size=group_size, search=False), encode=encode,
+        write_artifact(checkpoint, Path(out_dir), QuantizeOptions(group_size=group_size, search=False, sensitive=sensitive,
+                                                                embeddings=embeddings), encode=encode,
                        progress=progress)
     return Path(out_dir)
 
@@ -414,6 +418,10 @@ def main() -> None:
                         help="write an int4-stream artifact directly (random codes), with no checkpoint")
     parser.add_argument("--gguf-from", type=Path, metavar="LLAMA_CPP_SOURCE",
                         help="write a GGUF file OUT directly (random Q4_K blocks) with this source tree's converter metadata")
+    parser.add_argument("--sensitive", choices=("int8", "int4"), default="int8",
+                        help="with --int4-stream: v_proj and down_proj as int8 rows (default) or int4, as quantize takes it")
+    parser.add_argument("--embeddings", choices=("int8", "int4"), default="int8",
+                        help="with --int4-stream: the embedding tables as int8 rows (default) or int4")
     args = parser.parse_args()
     start = time.perf_counter()
     if args.gguf_from:
@@ -421,7 +429,7 @@ def main() -> None:
             parser.error("--gguf-from needs --vocab")
         write_random_gguf(args.kind, args.out, args.gguf_from, vocab=args.vocab)
     elif args.int4_stream:
-        write_random_int4(args.kind, args.out, vocab=args.vocab)
+        write_random_int4(args.kind, args.out, vocab=args.vocab, sensitive=args.sensitive, embeddings=args.embeddings)
     else:
         build_random_gemma(args.kind, args.out, vocab=args.vocab, device=args.device)
     print(f"{args.kind}: saved to {args.out} in {time.perf_counter() - start:.1f} s")
