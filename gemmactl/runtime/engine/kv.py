@@ -188,14 +188,15 @@ class Int8KVCache(CenteredKVCache):
     def _decode(self, codes, scale, name):
         return (codes.float() * scale.float().unsqueeze(-1)).to(self.dtype)
 
+    def _allocate(self, device) -> None:
+        super()._allocate(device)
+        byte = torch.arange(256, dtype=torch.float32, device=device)
+        self._signed = torch.where(byte >= 128, byte - 256, byte)  # each byte's signed value, read unsigned
+
     def _bits(self, name):
         return 8
 
     def _table(self, name):
-        """The signed value of each byte, indexed by the byte read unsigned."""
-        if getattr(self, "_signed", None) is None or self._signed.device != self.device:
-            byte = torch.arange(256, dtype=torch.float32, device=self.device)
-            self._signed = torch.where(byte >= 128, byte - 256, byte)
         return self._signed
 
 
