@@ -145,12 +145,19 @@ class ExpertCache:
                 "pinned": len(self.pinned)}
 
 
+TRIM_EVERY = 32  # experts made in the CPU kernel's layout between two release_freed_memory() calls
+
+
 @dataclass
 class MissRule:
     """Copy a missed expert to the device, or compute it on the host, by which is priced lower:
-    the copy moves the expert's stored bytes over the link once; the host decodes the stored codes
-    into a dense matrix and reads it (its dense bytes written and read at the host's memory
-    bandwidth). Without a separate device (the host standing in) there is nothing to choose: copy."""
+    the copy moves the expert's stored bytes over the link once; the host is still priced as it
+    used to run, decoding the stored codes into a dense matrix and reading it (its dense bytes
+    written and read at the host's memory bandwidth), so a GPU machine copies. The host now runs
+    an expert in torch's CPU int4 kernel (ExpertStore.host_linears, runtime/engine/cpu_kernels.py),
+    reading its stored bytes once its layout is made; pricing that, and splitting a layer's misses
+    between the host and the link, waits for a measurement on a GPU machine. Without a separate
+    device (the host standing in) there is nothing to choose: copy."""
 
     link_bytes_s: float = 0.0  # host → device
     host_bytes_s: float = 0.0  # host memory bandwidth as the host kernel reaches it
@@ -205,10 +212,53 @@ class ExpertStore:
         self.stored_bytes = max((a.nbytes + b.nbytes for a, b in self.records.values()), default=0)
         self.dense_bytes = max((sum(_count(r.shape) * width for r in pair) for pair in self.records.values()), default=0)
         self.slots: dict = {}  # slot → (gate_up Linear, down Linear) on the device (without an arena)
+        self.host: dict = {}  # key → (gate_up Linear, down Linear) on the host (misses computed there)
+        self.rows = None  # the slots' rows on a host standing in for the device (keep())
+        self.host_rows = self.host_row_of = None  # host_linears' rows, one an expert
+        self.made = 0  # experts made in the CPU kernel's layout
+        self.capacity = 0  # the cache's slots (set by MoEExperts)
         self.arena = None  # an ExpertArena, where the experts are laid out for copying (CUDA)
 
     def host_bytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.records.values())
+
+    def keep(self, slot: int, linears: tuple) -> tuple:
+        """linears as the cache's slot keeps them: on a host standing in for the device, with the
+        experts in the CPU kernels, copied into the slot's row (expert_arena.ExpertRows)."""
+        if self.device.type != "cpu" or not all(linear.kernel == "int4-cpu" for linear in linears):
+            return linears
+        if self.rows is None:
+            from gemmactl.runtime.engine.expert_arena import ExpertRows
+
+            self.rows = ExpertRows(linears, self.capacity)
+        self._made()
+        return self.rows.put(slot, linears)
+
+    def _made(self) -> None:
+        """One more expert made in the CPU kernel's layout: every TRIM_EVERY, the temporaries freed
+        go back to the system (cpu_kernels.release_freed_memory says why)."""
+        from gemmactl.runtime.engine.cpu_kernels import release_freed_memory
+
+        self.made += 1
+        if self.made % TRIM_EVERY == 0:
+            release_freed_memory()
+
+    def host_linears(self, key) -> tuple:
+        """The expert's Linears on the host, for a miss computed there: made on its first such use
+        and kept (in torch's CPU int4 kernel that is its stored bytes again; runtime/engine/cpu_kernels.py)."""
+        linears = self.host.get(key)
+        if linears is None:
+            linears = self.linears(key, torch.device("cpu"))
+            if all(linear.kernel == "int4-cpu" for linear in linears):  # in rows, as keep() does
+                if self.host_rows is None:
+                    from gemmactl.runtime.engine.expert_arena import ExpertRows
+
+                    self.host_rows = ExpertRows(linears, len(self.records))
+                    self.host_row_of = {k: i for i, k in enumerate(sorted(self.records))}
+                linears = self.host_rows.put(self.host_row_of[key], linears)
+                self._made()
+            self.host[key] = linears
+        return linears
 
     def linears(self, key, device) -> tuple:
         """The expert's two matrices as Linears on device, made from the stored codes."""
@@ -283,6 +333,14 @@ class MoEBlock:
                 self.next.fetch_ahead(residual)
             return out
         out = torch.zeros_like(x)
+        if x.shape[0] == 1:  # one token: its k distinct experts, without grouping (the same sums)
+            picked = experts[0].tolist()
+            for expert in sorted(picked):  # ascending, as transformers adds them
+                j = picked.index(expert)
+                out.add_((self._run((self.layer, expert), x) * weights[:, j:j + 1]).to(out.dtype))
+            if self.prefetch and self.next is not None:
+                self.next.fetch_ahead(residual)
+            return out
         for expert in torch.unique(experts).tolist():  # ascending, as transformers adds them
             positions, slots = _tokens_of(experts, expert)
             y = self._run((self.layer, expert), x[positions])
@@ -308,7 +366,7 @@ class MoEBlock:
             if store.arena is not None:
                 store.arena.fill(key, slot)
             else:
-                store.slots[slot] = store.linears(key, store.device)
+                store.slots[slot] = store.keep(slot, store.linears(key, store.device))
             self.prefetched.add(key)
             self.counters.prefetched += 1
             self.counters.copied_bytes += store.stored_bytes
@@ -337,8 +395,7 @@ class MoEBlock:
 
     def _host(self, key, x: torch.Tensor) -> torch.Tensor:
         self.counters.host_computed += 1
-        host = torch.device("cpu")
-        return expert_forward(self.store.linears(key, host), x.to(host)).to(x.device)
+        return expert_forward(self.store.host_linears(key), x.to("cpu")).to(x.device)
 
     def _from_arena(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The experts' sum with every device expert read from an arena row. Where each expert
@@ -471,7 +528,7 @@ class MoEBlock:
         counters.copied_bytes += store.stored_bytes
         slot, _ = self.cache.admit(key)
         if slot is not None:
-            store.slots[slot] = linears
+            linears = store.slots[slot] = store.keep(slot, linears)
         return expert_forward(linears, x)
 
 
@@ -497,6 +554,7 @@ class MoEExperts:
         else:
             capacity = min(total, settings.cache_bytes // max(self.store.expert_bytes, 1))
         self.cache = ExpertCache(capacity, settings.policy)
+        self.store.capacity = capacity
         self.top_k = int(hf_text_config(artifact.config).top_k_experts)
         if settings.arena if settings.arena is not None else self.store.device.type == "cuda":
             from gemmactl.runtime.engine.expert_arena import ExpertArena

@@ -17,12 +17,12 @@ time into cuBLAS. int8 rows (the head, and v_proj and down_proj under `--sensiti
 int8 on the device (`Int8Linear`): one token runs the Triton GEMV of
 runtime/engine/int8_gemv.py (why not torch's own int8 kernels is said there); several tokens
 dequantize a block of rows at a time into cuBLAS. `GEMMACTL_ENGINE_INT8=dense` keeps bfloat16
-copies in cuBLAS instead (twice the bytes; for measurements and machines without Triton). On the
-CPU every weight is dequantized once into a dense matrix in the compute dtype and multiplied by
-`F.linear`: its numbers are exactly the dense reference's. torch's CPU int4 kernel
-(`_weight_int4pack_mm_for_cpu`) was faster per layer matrix here (122 against 162 µs for 2048×640
-at one token) but rounds each group's zero to bfloat16, which moves the logits; the head, the
-largest matrix, is int8 rows, where `_weight_int8pack_mm` was no faster than dense bfloat16.
+copies in cuBLAS instead (twice the bytes; for measurements and machines without Triton). On an
+x86 CPU in bfloat16, int4 and int8 weights run in torch's CPU kernels as stored
+(runtime/engine/cpu_kernels.py says why and what they cost); in float32 (the fidelity tests), on
+other CPUs and under `GEMMACTL_ENGINE_KERNEL=dense`, every weight is dequantized once into a dense
+matrix in the compute dtype and multiplied by `F.linear`: its numbers are exactly the dense
+reference's.
 
 On CUDA, matrices that read the same input are joined into one (`join_linears`: q with k and v
 where they share a kernel, gate with up; `GEMMACTL_ENGINE_JOIN`): the same bytes, one launch and one
@@ -292,7 +292,8 @@ def linear_bytes(scheme: str, shape: tuple, group_size: int | None, *, cuda: boo
     int4 on CUDA as stored where that is kept (codes at half a byte, fp16 scale and zero per group;
     pad: an MoE expert, by default kept so), else in tinygemm's layout (bfloat16 scale and zero′
     per group; pad: columns padded as make_linear pads them), int8 rows as stored on CUDA (a byte a value, a
-    float16 scale a row), everything else dense in the compute dtype."""
+    float16 scale a row), int4 and int8 as the CPU kernels hold them on the host in bfloat16
+    (cpu_kernels.py), everything else dense in the compute dtype."""
     out_features, in_features = shape
     if cuda and scheme == "int4" and _groups_fit(group_size) and _int4_groups_planned(pad):
         groups = -(-in_features // group_size)
@@ -302,6 +303,12 @@ def linear_bytes(scheme: str, shape: tuple, group_size: int | None, *, cuda: boo
         return out_features * columns // 2 + (columns // group_size) * out_features * 2 * 2
     if cuda and scheme == "int8" and _int8_rows_planned():
         return out_features * in_features + out_features * 2
+    if not cuda and dtype_bytes == 2:
+        from gemmactl.runtime.engine.cpu_kernels import cpu_kernels_planned, cpu_linear_bytes
+
+        held = cpu_linear_bytes(scheme, shape, group_size) if cpu_kernels_planned() else None
+        if held is not None:
+            return held
     return out_features * in_features * dtype_bytes
 
 
@@ -317,7 +324,8 @@ def _int8_rows_planned() -> bool:
 
 
 def make_linear(artifact, record, device, dtype, cache=None, pad: bool = False) -> Linear:
-    """The record as a Linear on device: a fused int4/int8 kernel on CUDA, dense elsewhere.
+    """The record as a Linear on device: a fused int4/int8 kernel on CUDA, torch's int4/int8 CPU
+    kernels on an x86 CPU in bfloat16 (runtime/engine/cpu_kernels.py), dense elsewhere.
 
     cache: a RepackCache keeping tinygemm layouts between loads. pad: an MoE expert's matrix, kept
     as stored by default (int4_groups_kept), or in tinygemm with its columns padded
@@ -343,6 +351,12 @@ def make_linear(artifact, record, device, dtype, cache=None, pad: bool = False) 
         if record.scheme == "int8" and int8_rows_kept():
             parts = artifact.packed(record, device).parts
             return Int8Linear(parts["qweight"].contiguous(), parts["scales"].contiguous())
+    if not cuda and str(device) == "cpu":
+        from gemmactl.runtime.engine.cpu_kernels import cpu_kernels_kept, cpu_linear
+
+        linear = cpu_linear(artifact, record) if cpu_kernels_kept(dtype) else None
+        if linear is not None:
+            return linear
     return Linear(artifact.decode(record, device, dtype).contiguous())
 
 
