@@ -26,9 +26,7 @@ reference loops.
 
 from __future__ import annotations
 
-import os
-
-from gemmactl.runtime.engine.kernels import KERNEL_ENV, Int8Linear, Linear
+from gemmactl.runtime.engine.ops import in_row_blocks
 
 CPU_GROUPS = (32, 64, 128, 256)
 ROW_MULTIPLE = 16  # the int4 kernel's layout takes rows in multiples of this
@@ -36,24 +34,19 @@ ROW_MULTIPLE = 16  # the int4 kernel's layout takes rows in multiples of this
 # for 64, 15.8 ms for 256, where decoding it takes 6.4 ms and the dense product of 256 tokens
 # 1.3 ms): past this many tokens a product decodes the stored codes and multiplies densely.
 KERNEL_TOKENS_MAX = 64
+DECODE_BLOCK_VALUES = 1 << 22  # values a product past KERNEL_TOKENS_MAX decodes at once (8 MB in bfloat16)
 CONVERT_ROWS = 128  # rows made into the kernel's layout at a time (a multiple of its tile of 64)
 
 
-def cpu_kernels_kept(dtype) -> bool:
+def cpu_kernels_kept(dtype, dense_forced: bool = False) -> bool:
     """Whether this machine's CPU runs int4/int8 weights as stored: bfloat16 compute, an x86 CPU
-    with AVX2 or AVX-512, and dense weights not forced (KERNEL_ENV=dense)."""
+    with AVX2 or AVX-512, and dense weights not forced (kernels.KERNEL_ENV=dense, which the caller
+    reads)."""
     import torch
 
-    if dtype != torch.bfloat16 or os.environ.get(KERNEL_ENV, "auto") == "dense":
+    if dtype != torch.bfloat16 or dense_forced:
         return False
     return torch.backends.cpu.get_cpu_capability().startswith("AVX")
-
-
-def cpu_kernels_planned() -> bool:
-    """cpu_kernels_kept() for the bfloat16 engine: what the plan counts for layers on the host."""
-    import torch
-
-    return cpu_kernels_kept(torch.bfloat16)
 
 
 def release_freed_memory() -> None:
@@ -85,7 +78,20 @@ def cpu_int4_fits(shape: tuple, group_size: int | None) -> bool:
     return group_size in CPU_GROUPS and shape[0] % ROW_MULTIPLE == 0
 
 
-class Int4CpuLinear(Linear):
+class _CpuLinear:
+    """What the engine asks of a matrix (the interface of runtime/engine/kernels.Linear)."""
+
+    kernel = "cpu"
+    out_features = in_features = 0
+
+    def tensors(self) -> dict:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+class Int4CpuLinear(_CpuLinear):
     """int4 codes in the CPU kernel's layout, (scale, zero′) per group in bfloat16; the input's
     columns padded to whole groups with zeros (the stored codes there are finite, so they add 0).
     More than KERNEL_TOKENS_MAX tokens (a prefill chunk) decode the stored codes (views of the
@@ -103,12 +109,10 @@ class Int4CpuLinear(Linear):
         import torch
         import torch.nn.functional as F
 
-        from gemmactl.runtime.engine.kernels import _in_row_blocks
-
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         if flat.shape[0] > KERNEL_TOKENS_MAX:
-            y = _in_row_blocks(flat, self, self._decode_rows)
+            y = in_row_blocks(flat, self.out_features, self.in_features, self._decode_rows, DECODE_BLOCK_VALUES)
         else:
             if self.columns != self.in_features:
                 flat = F.pad(flat, (0, self.columns - self.in_features))
@@ -135,12 +139,16 @@ class Int4CpuLinear(Linear):
                              self.in_features, self.columns, self.stored)
 
 
-class Int8CpuLinear(Int8Linear):
+class Int8CpuLinear(_CpuLinear):
     """Row-wise int8 as stored (the artifact's mapped codes, not copied), each row's scale in
     bfloat16, through torch's CPU int8 kernel; more than KERNEL_TOKENS_MAX tokens decode a block
-    of rows at a time into a dense product, as Int8Linear does."""
+    of rows at a time into a dense product."""
 
     kernel = "int8-cpu"
+
+    def __init__(self, qweight, scales):
+        self.qweight, self.scales = qweight, scales  # int8 [out, in], bfloat16 [out]
+        self.out_features, self.in_features = qweight.shape
 
     def __call__(self, x):
         import torch
@@ -148,10 +156,18 @@ class Int8CpuLinear(Int8Linear):
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         if flat.shape[0] > KERNEL_TOKENS_MAX:
-            y = self._blocks(flat)
+            y = in_row_blocks(flat, self.out_features, self.in_features, self._decode_rows, DECODE_BLOCK_VALUES)
         else:
             y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def _decode_rows(self, rows):
+        import torch
+
+        return (self.qweight[rows].float() * self.scales[rows].float().unsqueeze(1)).to(torch.bfloat16)
+
+    def tensors(self) -> dict:
+        return {"qweight": self.qweight, "scales": self.scales}
 
     def with_tensors(self, tensors: dict) -> "Int8CpuLinear":
         return Int8CpuLinear(tensors["qweight"], tensors["scales"])

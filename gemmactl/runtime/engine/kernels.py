@@ -216,15 +216,9 @@ def joining(device) -> bool:
 def _in_row_blocks(flat, linear: Linear, decode_rows):
     """flat [T, in] times a quantized matrix, decoded a block of rows at a time (decode_rows(slice) →
     [rows, in] in flat's dtype) into cuBLAS: the temporaries stay bounded (INT8_BLOCK_VALUES)."""
-    import torch
-    import torch.nn.functional as F
+    from gemmactl.runtime.engine.ops import in_row_blocks
 
-    out = torch.empty((flat.shape[0], linear.out_features), dtype=flat.dtype, device=flat.device)
-    step = max(1, INT8_BLOCK_VALUES // max(linear.in_features, 1))
-    for start in range(0, linear.out_features, step):
-        rows = slice(start, start + step)
-        out[:, rows] = F.linear(flat, decode_rows(rows))
-    return out
+    return in_row_blocks(flat, linear.out_features, linear.in_features, decode_rows, INT8_BLOCK_VALUES)
 
 
 def int8_rows_kept() -> bool:
@@ -304,12 +298,19 @@ def linear_bytes(scheme: str, shape: tuple, group_size: int | None, *, cuda: boo
     if cuda and scheme == "int8" and _int8_rows_planned():
         return out_features * in_features + out_features * 2
     if not cuda and dtype_bytes == 2:
-        from gemmactl.runtime.engine.cpu_kernels import cpu_kernels_planned, cpu_linear_bytes
+        import torch
 
-        held = cpu_linear_bytes(scheme, shape, group_size) if cpu_kernels_planned() else None
+        from gemmactl.runtime.engine.cpu_kernels import cpu_kernels_kept, cpu_linear_bytes
+
+        kept = cpu_kernels_kept(torch.bfloat16, dense_forced=_dense_forced())  # the plan's host layers
+        held = cpu_linear_bytes(scheme, shape, group_size) if kept else None
         if held is not None:
             return held
     return out_features * in_features * dtype_bytes
+
+
+def _dense_forced() -> bool:
+    return os.environ.get(KERNEL_ENV, "auto") == "dense"
 
 
 def _int8_rows_planned() -> bool:
@@ -334,7 +335,7 @@ def make_linear(artifact, record, device, dtype, cache=None, pad: bool = False) 
     import torch
 
     cuda = str(device).startswith("cuda")
-    forced_dense = os.environ.get(KERNEL_ENV, "auto") == "dense"
+    forced_dense = _dense_forced()
     if cuda and not forced_dense and dtype == torch.bfloat16:
         if record.scheme == "int4" and _groups_fit(record.group_size) and int4_groups_kept(pad):
             parts = artifact.packed(record, device).parts
@@ -354,7 +355,7 @@ def make_linear(artifact, record, device, dtype, cache=None, pad: bool = False) 
     if not cuda and str(device) == "cpu":
         from gemmactl.runtime.engine.cpu_kernels import cpu_kernels_kept, cpu_linear
 
-        linear = cpu_linear(artifact, record) if cpu_kernels_kept(dtype) else None
+        linear = cpu_linear(artifact, record) if cpu_kernels_kept(dtype, dense_forced=forced_dense) else None
         if linear is not None:
             return linear
     return Linear(artifact.decode(record, device, dtype).contiguous())

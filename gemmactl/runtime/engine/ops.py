@@ -13,3 +13,17 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor | None, eps: float) -> torch.T
     if scale is not None:
         y = y * scale
     return y.to(x.dtype)
+
+
+def in_row_blocks(flat: torch.Tensor, out_features: int, in_features: int, decode_rows, block_values: int) -> torch.Tensor:
+    """flat [T, in] times a quantized matrix, decoded a block of rows at a time (decode_rows(slice)
+    → [rows, in] in flat's dtype, about block_values values) into a dense product: the
+    temporaries stay bounded whatever the matrix."""
+    import torch.nn.functional as F
+
+    out = torch.empty((flat.shape[0], out_features), dtype=flat.dtype, device=flat.device)
+    step = max(1, block_values // max(in_features, 1))
+    for start in range(0, out_features, step):
+        rows = slice(start, start + step)
+        out[:, rows] = F.linear(flat, decode_rows(rows))
+    return out
