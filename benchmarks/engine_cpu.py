@@ -41,7 +41,7 @@ def measure(backend, request) -> dict:
         else:
             text.append(event.text)
     return {"text": "".join(text), "ttft_s": stats.ttft_s, "decode_tok_s": stats.decode_tok_s,
-            "wall_tok_s": stats.wall_tok_s, "tokens": stats.generated_tokens}
+            "wall_tok_s": stats.wall_tok_s, "tokens": stats.generated_tokens, "prompt_tokens": stats.prompt_tokens}
 
 
 def main() -> None:

@@ -31,6 +31,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from engine_cpu import measure  # this folder is the script's path
+
 PROMPT = "Once upon a time, in a land far away,"
 TEXT = "/usr/share/common-licenses/GPL-3"
 
@@ -75,19 +77,6 @@ def kernels(artifact) -> list[dict]:
     return rows
 
 
-def _measure(backend, request) -> dict:
-    from gemmactl.runtime.base import GenerationStats, stream_generate
-
-    text, stats = [], None
-    for event in stream_generate(backend, request):
-        if isinstance(event, GenerationStats):
-            stats = event
-        else:
-            text.append(event.text)
-    return {"text": "".join(text), "ttft_s": stats.ttft_s, "decode_tok_s": stats.decode_tok_s,
-            "wall_tok_s": stats.wall_tok_s, "tokens": stats.generated_tokens, "prompt_tokens": stats.prompt_tokens}
-
-
 def _common(a: str, b: str) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -122,10 +111,10 @@ def decode(args) -> dict:
                           time.perf_counter() - start, [], {"gguf": gguf}]
     request = GenerationRequest(prompt=PROMPT, temperature=0, max_tokens=args.tokens, raw=True, repeat_penalty=1.0)
     for backend, _, _, _ in sides.values():
-        _measure(backend, replace(request, max_tokens=4))
+        measure(backend, replace(request, max_tokens=4))
     for _ in range(args.repeats):
         for backend, _, runs, _ in sides.values():
-            runs.append(_measure(backend, request))
+            runs.append(measure(backend, request))
     words = " ".join(Path(TEXT).read_text().split())
     long_request = replace(request, max_tokens=8)
     result = {"threads": torch.get_num_threads(), "tokens": args.tokens, "repeats": args.repeats,
@@ -142,7 +131,7 @@ def decode(args) -> dict:
             prompt = " ".join(words.split()[: args.long_prompt])
             while len(backend.tokenize(prompt, add_bos=True, special=False)) > args.long_prompt:
                 prompt = prompt.rsplit(" ", 8)[0]
-            measured = _measure(backend, replace(long_request, prompt=prompt))
+            measured = measure(backend, replace(long_request, prompt=prompt))
             row["long_prompt"] = {"prompt_tokens": measured["prompt_tokens"], "ttft_s": round(measured["ttft_s"], 3)}
         result["sides"][name] = row
     base = sides["engine, CPU kernels"][2]

@@ -79,10 +79,29 @@ def cpu_int4_fits(shape: tuple, group_size: int | None) -> bool:
 
 
 class _CpuLinear:
-    """What the engine asks of a matrix (the interface of runtime/engine/kernels.Linear)."""
+    """What the engine asks of a matrix (the interface of runtime/engine/kernels.Linear): y = x Wᵀ
+    in the kernel for up to KERNEL_TOKENS_MAX tokens (_product), else a block of decoded rows at a
+    time (_decode_rows) in a dense product."""
 
     kernel = "cpu"
     out_features = in_features = 0
+
+    def __call__(self, x):
+        import torch
+
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if flat.shape[0] > KERNEL_TOKENS_MAX:
+            y = in_row_blocks(flat, self.out_features, self.in_features, self._decode_rows, DECODE_BLOCK_VALUES)
+        else:
+            y = self._product(flat)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def _product(self, flat):
+        raise NotImplementedError
+
+    def _decode_rows(self, rows):
+        raise NotImplementedError
 
     def tensors(self) -> dict:
         raise NotImplementedError
@@ -105,19 +124,13 @@ class Int4CpuLinear(_CpuLinear):
         self.group_size, self.columns, self.stored = group_size, columns, stored  # stored: qweight, scales, zeros
         self.out_features, self.in_features = out_features, in_features
 
-    def __call__(self, x):
+    def _product(self, flat):
         import torch
         import torch.nn.functional as F
 
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        if flat.shape[0] > KERNEL_TOKENS_MAX:
-            y = in_row_blocks(flat, self.out_features, self.in_features, self._decode_rows, DECODE_BLOCK_VALUES)
-        else:
-            if self.columns != self.in_features:
-                flat = F.pad(flat, (0, self.columns - self.in_features))
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        if self.columns != self.in_features:
+            flat = F.pad(flat, (0, self.columns - self.in_features))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
 
     def _decode_rows(self, rows):
         import torch
@@ -150,16 +163,10 @@ class Int8CpuLinear(_CpuLinear):
         self.qweight, self.scales = qweight, scales  # int8 [out, in], bfloat16 [out]
         self.out_features, self.in_features = qweight.shape
 
-    def __call__(self, x):
+    def _product(self, flat):
         import torch
 
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        if flat.shape[0] > KERNEL_TOKENS_MAX:
-            y = in_row_blocks(flat, self.out_features, self.in_features, self._decode_rows, DECODE_BLOCK_VALUES)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
 
     def _decode_rows(self, rows):
         import torch
