@@ -5,11 +5,12 @@ an int4 matrix reads four times its stored bytes and an int8 row matrix twice. t
 kernels that read them as stored and fuse the dequantization into the product
 (`aten._weight_int4pack_mm_for_cpu`, `aten._weight_int8pack_mm`, vectorized for AVX2 and
 AVX-512, the ones torchao's CPU int4/int8 weight-only paths call): well-kept, nothing compiled
-here. Measured on a 2-core AVX-512 host, one token (benchmarks/cpu_kernels.py, docs/benchmarks.md):
-a 1,408×2,816 int4 matrix took 136 µs against 410 µs dense (and 14.8 ms to decode it first, what a
-missed MoE expert on the host used to cost); the 262,144×640 int8 head of Gemma 3 270M 14.3 ms
-against 31.5 ms dense. A hand-written kernel of our own over the stored layout (fused in
-torch.compile's C++ backend) reached 2.7 ms for the int4 matrix: not a contender.
+here. Measured on a 2-core AVX-512 host, one token (benchmarks/engine_cpu_kernels.py,
+docs/benchmarks.md): Gemma 3 270M's 2,048×640 int4 gate_proj took 82 µs against 177 µs dense (and
+2.6 ms to decode it first, what a missed MoE expert on the host used to cost), its 262,144×640
+int8 head 14.7 ms against 23.7 ms dense. In a one-off trial, a product of our own over the stored
+layout, fused by torch.compile's C++ backend, took 2.7 ms for a 1,408×2,816 int4 matrix against
+the kernel's 0.14 ms: not a contender.
 
 What it costs in numbers: the int4 kernel takes each group's scale and zero′ (zero + 8·scale) in
 bfloat16 and the int8 kernel each row's scale in bfloat16, where the dense path rounds every
