@@ -191,15 +191,14 @@ class ExpertArena:
 
 
 class ExpertRows:
-    """The expert cache's slots in host memory, where the host is the device and its experts run in
-    torch's CPU int4 kernel (runtime/engine/cpu_kernels.py): each admitted expert's layout is copied
-    into its slot's row of a few large chunks, allocated as slots are first used. Kept each in its
-    own allocation, 3,840 experts of 26B-A4B held 18 GB after 60% of them were made, not the 7.7 GB
-    they are: the allocator interleaved them with the layout work's freed temporaries."""
+    """The host's rows for experts in torch's CPU int4 kernel (runtime/engine/cpu_kernels.py): the
+    cache's slots where the host stands in for the device, or the experts a GPU machine computes on
+    the host. Each expert's layout, made on first use, is copied into its row of a few large
+    chunks, allocated as rows are first used (the layout taken from the first expert put)."""
 
-    def __init__(self, template: tuple, count: int):
-        self.layout, self.row_bytes = _layout(template)
-        self.count, self.per_chunk = count, max(1, CHUNK_BYTES // self.row_bytes)
+    def __init__(self, count: int):
+        self.count = count
+        self.layout = self.row_bytes = self.per_chunk = None
         self.chunks: dict = {}
 
     def _row(self, slot: int) -> torch.Tensor:
@@ -211,6 +210,9 @@ class ExpertRows:
 
     def put(self, slot: int, linears: tuple) -> tuple:
         """The expert's Linears with their tensors moved into slot's row."""
+        if self.layout is None:
+            self.layout, self.row_bytes = _layout(linears)
+            self.per_chunk = max(1, CHUNK_BYTES // self.row_bytes)
         row, parts = self._row(slot), [dict() for _ in linears]
         for index, name, dtype, shape, offset in self.layout:
             tensor = linears[index].tensors()[name]

@@ -213,10 +213,12 @@ class ExpertStore:
         self.dense_bytes = max((sum(_count(r.shape) * width for r in pair) for pair in self.records.values()), default=0)
         self.slots: dict = {}  # slot → (gate_up Linear, down Linear) on the device (without an arena)
         self.host: dict = {}  # key → (gate_up Linear, down Linear) on the host (misses computed there)
-        self.rows = None  # the slots' rows on a host standing in for the device (keep())
-        self.host_rows = self.host_row_of = None  # host_linears' rows, one an expert
+        from gemmactl.runtime.engine.expert_arena import ExpertRows
+
+        self.rows = ExpertRows(0)  # the slots' rows on a host standing in for the device (keep(); sized by MoEExperts)
+        self.host_rows = ExpertRows(len(self.records))  # host_linears' rows, one an expert
+        self.host_row_of = {key: i for i, key in enumerate(sorted(self.records))}
         self.made = 0  # experts made in the CPU kernel's layout
-        self.capacity = 0  # the cache's slots (set by MoEExperts)
         self.arena = None  # an ExpertArena, where the experts are laid out for copying (CUDA)
 
     def host_bytes(self) -> int:
@@ -225,39 +227,30 @@ class ExpertStore:
     def keep(self, slot: int, linears: tuple) -> tuple:
         """linears as the cache's slot keeps them: on a host standing in for the device, with the
         experts in the CPU kernels, copied into the slot's row (expert_arena.ExpertRows)."""
-        if self.device.type != "cpu" or not all(linear.kernel == "int4-cpu" for linear in linears):
+        if self.device.type != "cpu":
             return linears
-        if self.rows is None:
-            from gemmactl.runtime.engine.expert_arena import ExpertRows
+        return self._put(self.rows, slot, linears)
 
-            self.rows = ExpertRows(linears, self.capacity)
-        self._made()
-        return self.rows.put(slot, linears)
-
-    def _made(self) -> None:
-        """One more expert made in the CPU kernel's layout: every TRIM_EVERY, the temporaries freed
-        go back to the system (cpu_kernels.release_freed_memory says why)."""
+    def _put(self, rows, row: int, linears: tuple) -> tuple:
+        """linears moved into a row where they run in the CPU int4 kernel (else as they are); every
+        TRIM_EVERY experts made, the temporaries freed go back to the system
+        (cpu_kernels.release_freed_memory says why)."""
         from gemmactl.runtime.engine.cpu_kernels import release_freed_memory
 
+        if not all(linear.kernel == "int4-cpu" for linear in linears):
+            return linears
         self.made += 1
         if self.made % TRIM_EVERY == 0:
             release_freed_memory()
+        return rows.put(row, linears)
 
     def host_linears(self, key) -> tuple:
         """The expert's Linears on the host, for a miss computed there: made on its first such use
         and kept (in torch's CPU int4 kernel that is its stored bytes again; runtime/engine/cpu_kernels.py)."""
         linears = self.host.get(key)
         if linears is None:
-            linears = self.linears(key, torch.device("cpu"))
-            if all(linear.kernel == "int4-cpu" for linear in linears):  # in rows, as keep() does
-                if self.host_rows is None:
-                    from gemmactl.runtime.engine.expert_arena import ExpertRows
-
-                    self.host_rows = ExpertRows(linears, len(self.records))
-                    self.host_row_of = {k: i for i, k in enumerate(sorted(self.records))}
-                linears = self.host_rows.put(self.host_row_of[key], linears)
-                self._made()
-            self.host[key] = linears
+            linears = self.host[key] = self._put(self.host_rows, self.host_row_of[key],
+                                                 self.linears(key, torch.device("cpu")))
         return linears
 
     def linears(self, key, device) -> tuple:
@@ -554,7 +547,7 @@ class MoEExperts:
         else:
             capacity = min(total, settings.cache_bytes // max(self.store.expert_bytes, 1))
         self.cache = ExpertCache(capacity, settings.policy)
-        self.store.capacity = capacity
+        self.store.rows.count = capacity
         self.top_k = int(hf_text_config(artifact.config).top_k_experts)
         if settings.arena if settings.arena is not None else self.store.device.type == "cuda":
             from gemmactl.runtime.engine.expert_arena import ExpertArena
