@@ -1,6 +1,6 @@
 """Where a streamed decode step's time goes, on a GPU: the step with every layer resident (eager),
-half the layers streamed, half on the host; the streamed layers' copies alone; and a raw 1 GiB
-pinned-host → device copy for the link's own rate.
+half the layers streamed (the upper half, or every other layer), half on the host; the streamed
+layers' copies alone; and a raw 1 GiB pinned-host → device copy for the link's own rate.
 
     python benchmarks/engine_stream_step.py ARTIFACT [--steps 24] [--context 4096]
 
@@ -107,6 +107,7 @@ def main() -> None:
     placements = {
         "all resident": (RESIDENT,) * n,
         "half streamed": (RESIDENT,) * half + (STREAMED,) * (n - half),
+        "half streamed, alternating": tuple(STREAMED if i % 2 else RESIDENT for i in range(n)),
         "half on the host": (RESIDENT,) * half + (HOST,) * (n - half),
     }
     for name, layers in placements.items():

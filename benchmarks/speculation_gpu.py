@@ -1,7 +1,7 @@
 """Speculative decoding with a smaller draft: an E4B-shaped target, an E2B-shaped draft, acceptance set on purpose.
 
     python benchmarks/speculation_gpu.py --work DIR --vocab ggml-vocab-gemma-4.gguf
-        [--alpha 0 0.02 0.05 0.1 0.2 1] [--k 1 2 4] [--tokens 128] [--repeats 3] [--out FILE]
+        [--alpha 0 0.02 0.05 0.1 0.2 1] [--k 1 2 4] [--tokens 128] [--repeats 3] [--vram 4G] [--out FILE]
     (--kinds e4b-tiny e2b-tiny runs the same on tiny shapes, e.g. on a CPU, to try the script)
 
 Random weights make any draft disagree with its target, so the two are built to agree by an
@@ -96,6 +96,42 @@ def graph_follows(model, decoder) -> float:
     return float((eager - replayed).abs().max() / eager.abs().max().clamp_min(1e-6))
 
 
+def capped(target: Path, draft: Path | None, vram: str, context: int, k_max: int):
+    """The target's placement under a budget that also holds the draft, if any (this machine's
+    measured profile, measured now if the store has none)."""
+    from gemmactl.machine import detect_machine
+    from gemmactl.plan.auto import engine_placement
+    from gemmactl.plan.engine_map import DraftNeed
+    from gemmactl.plan.profile import machine_profile
+    from gemmactl.sizes import parse_size
+    from gemmactl.store import Store
+
+    store, machine = Store(), detect_machine()
+    machine_profile(store.home / "plan", machine)
+    return engine_placement(target, context, vram=parse_size(vram, option="--vram"), machine=machine, store=store,
+                            draft=DraftNeed(draft, k_max) if draft is not None else None)
+
+
+def whole_budget(target: Path, args, request, result: dict) -> dict:
+    """Plain decoding of the target alone under the same budget (its map keeps no room for a
+    draft, so more of it is resident): what a tier without speculation would run. Each mode's
+    speculative rate over this plain rate, per alpha (the steps cost the same at every alpha)."""
+    import statistics
+
+    from gemmactl.runtime.engine.backend import EngineBackend
+
+    placement = capped(target, None, args.vram, args.context, 0)
+    backend = EngineBackend(str(target), context_size=args.context, placement=placement)
+    engine_cpu.measure(backend, request)  # warm-up
+    runs = [engine_cpu.measure(backend, request) for _ in range(args.repeats)]
+    plain = {key: statistics.median(run[key] for run in runs) for key in ("decode_tok_s", "wall_tok_s")}
+    ratios = {alpha: {mode: {key.removesuffix("_tok_s") + "_vs_whole_budget": round(row[key] / plain[key], 3)
+                             for key in ("decode_tok_s", "wall_tok_s")}
+                      for mode, row in rows.items() if mode != "graph_gap"}
+              for alpha, rows in result["alphas"].items()}
+    return {"placement": placement.reason if placement is not None else "every layer resident", **plain, "ratios": ratios}
+
+
 def paired(backend, speculator, make_tuner, request, repeats: int) -> dict:
     """Plain then speculative, `repeats` times, after a warm-up of the speculative mode."""
     speculator.tuner = make_tuner()
@@ -128,6 +164,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--vram", help="a GPU budget for both models (e.g. 4G): the target's map is the plan's with "
+                                         "the draft's room kept, as `gemmactl run --vram V --draft D` makes it "
+                                         "(default: both wholly resident)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     import torch
@@ -143,12 +182,15 @@ def main() -> None:
     build_s = time.perf_counter() - start
     k_max = max(args.k)
     start = time.perf_counter()
-    backend = EngineBackend(str(target), context_size=args.context, draft=DraftSettings(str(draft), k_max=k_max))
+    placement = capped(target, draft, args.vram, args.context, k_max) if args.vram else None
+    backend = EngineBackend(str(target), context_size=args.context, draft=DraftSettings(str(draft), k_max=k_max),
+                            placement=placement)
     load_s = time.perf_counter() - start
     speculator = backend.speculator
     if speculator is None:
         raise SystemExit(f"the draft did not load: {backend.notices}")
     result = {"command": " ".join(sys.argv), "device": str(backend.model.device), "kinds": args.kinds,
+              "vram": args.vram, "placement": placement.reason if placement is not None else "every layer resident",
               "tokens": args.tokens, "repeats": args.repeats, "build_s": round(build_s, 1), "load_s": round(load_s, 1),
               "verify_captured": speculator.verifier.graph is not None,
               "verify_setup_s": round(speculator.verifier.setup_s, 1),
@@ -198,6 +240,9 @@ def main() -> None:
     if torch.cuda.is_available():
         result["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
     result["memory"] = backend.model.memory()
+    if args.vram:
+        result["plain_whole_budget"] = whole_budget(target, args, request, result)
+        print(json.dumps({"plain_whole_budget": result["plain_whole_budget"]}), file=sys.stderr)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text)

@@ -86,6 +86,31 @@ def test_more_memory_never_predicts_a_slower_decode(artifact):
         previous = chosen
 
 
+def test_resident_layers_are_spread_and_their_compute_hides_under_the_copies(artifact):
+    """On a slow link, half the layers resident are spread between the streamed ones (a copy
+    overlaps the compute of the layers before it only up to two staging areas ahead), and the
+    prediction counts the copies beside the GPU's compute, not after it: what is not the copies
+    is the same whether none or half the layers are resident."""
+    from dataclasses import replace
+
+    slow = replace(PROFILE, host_to_device=PROFILE.host_to_device / 1000, cpu_layer_latency_s=1.0)  # no layer on the CPU
+    low, top = whole(artifact).minimum_vram_bytes, whole(artifact).gpu_total
+    rows = plan_engine(artifact, slow, top - whole(artifact).gpu_bytes["tables"], CONTEXT).link_bytes_per_token
+    none = plan_engine(artifact, slow, low, CONTEXT)
+    assert set(none.layers) == {"streamed"}
+    budget = low
+    while (half := plan_engine(artifact, slow, budget, CONTEXT)).layers.count("resident") < len(half.layers) // 2:
+        budget += 64 << 10
+    kinds = "".join(kind[0] for kind in half.layers)
+    assert "h" not in kinds and "rr" + "r" * (len(kinds) // 4) not in kinds  # no long run of resident layers
+    assert kinds.index("s") < kinds.rindex("r")  # not the lower layers alone
+
+    def beside_the_copies(chosen):
+        return 1 / chosen.decode_tok_s - (chosen.link_bytes_per_token - rows) / slow.host_to_device
+
+    assert beside_the_copies(half) == pytest.approx(beside_the_copies(none), rel=1e-6)
+
+
 def test_the_predicted_rate_counts_the_reads_of_the_kv_caches(artifact):
     """Each step reads every attention layer's cache (a sliding layer's window at most, a sharing
     layer its producer's): all of it in a captured step, as far as it is filled in an eager one."""
@@ -332,7 +357,7 @@ def test_the_map_sizes_the_rings_the_engine_allocates_for_a_draft(artifact, spar
 
 def test_plan_keeps_room_for_a_draft(artifact, runner):
     """`plan --draft`: the draft's own every-layer-resident map (less the CUDA context the model's
-    map already reserves) comes off the budget, the least that works grows by it, and the model's
+    map already reserves, and the tables the draft keeps in host memory) comes off the budget, the least that works grows by it, and the model's
     rings keep --draft-max spare slots; without room, the error names the draft."""
     from gemmactl.plan.engine_map import DraftNeed, draft_gpu_bytes
 
@@ -344,7 +369,8 @@ def test_plan_keeps_room_for_a_draft(artifact, runner):
 
     alone, beside = plan(), plan("--draft", str(artifact), "--draft-max", "6")
     alone_draft = plan_engine(artifact, PROFILE, 64 << 30, CONTEXT, spare_slots=6)
-    draft_bytes = alone_draft.gpu_total - alone_draft.gpu_bytes["reserve"]
+    draft_bytes = alone_draft.gpu_total - alone_draft.gpu_bytes["reserve"] - alone_draft.gpu_bytes["tables"]
+    assert alone_draft.gpu_bytes["tables"] > 0
     assert beside["gpu_bytes"]["draft"] == draft_bytes == draft_gpu_bytes(DraftNeed(artifact, 6), PROFILE, CONTEXT)
     assert beside["gpu_bytes"]["kv"] == alone_draft.gpu_bytes["kv"] > alone["gpu_bytes"]["kv"]
     assert beside["minimum_vram_bytes"] == alone["minimum_vram_bytes"] + draft_bytes + (

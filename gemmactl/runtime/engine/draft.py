@@ -68,7 +68,8 @@ def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str])
     try:
         with torch.inference_mode():
             model = GemmaModel(draft_artifact, device=backend.device, dtype=backend.dtype,
-                               context=backend.context_size, spare_slots=draft.k_max)
+                               context=backend.context_size, spare_slots=draft.k_max,
+                               placement=draft_placement(draft_artifact, backend.device))
         step = DecodeStep(model)
     except (GemmactlError, OSError, ValueError, KeyError, RuntimeError) as exc:
         notices.append(f"the draft {draft.path} could not be loaded on {backend.device} ({_first_line(exc)}); "
@@ -90,6 +91,21 @@ def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str])
                             verifier)
     speculator.draft_path = draft.path
     return speculator
+
+
+def draft_placement(artifact, device: str):
+    """On a GPU the draft keeps every layer there and its embedding tables in host memory (only the
+    current token's rows cross the link, tens of KB a step; plan/engine_map.draft_gpu_bytes counts
+    it so): an E2B draft's tables would take more of a small card than its layers do."""
+    from gemmactl.runtime.engine.placement import EnginePlacement
+    from gemmactl.runtime.engine.spec import model_spec
+
+    if not str(device).startswith("cuda"):
+        return None
+    shapes = {r.name: (r.stack_shape or r.shape) for r in artifact.records}
+    layers = model_spec(artifact.config, shapes).n_layers
+    return EnginePlacement(("resident",) * layers, tables_on_host=True,
+                           reason="the draft: every layer on the GPU, its tables in host memory")
 
 
 def _first_line(exc: Exception) -> str:
