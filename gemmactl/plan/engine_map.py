@@ -362,18 +362,19 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
         )
     room = vram_bytes - sum(fixed.values()) - kv_all - 2 * largest
     # Layers whose GPU residence saves the most time per byte go first. Streamed layers all save
-    # the same (a byte less over the link), so among equals the resident ones are spread through
-    # the model (_spread_ranks), never bunched: see _step_seconds.
+    # the same (a byte less over the link), so the resident ones among equals are spread evenly
+    # through the model (_spread), never bunched: see _step_seconds.
     def gain(c: LayerCost) -> float:  # to 4 digits, so equals stay equal through rounding
         away = min(streamed_time(c), host_time(c) if not c.shared else float("inf"))
         return float(f"{(away - resident_time(c)) / max(c.device_bytes, 1):.4g}")
 
-    spread = _spread_ranks(len(costs))
     kinds = {}
-    for c in sorted(costs, key=lambda c: (-gain(c), spread[c.index])):
-        if c.device_bytes <= room:
-            kinds[c.index] = "resident"
-            room -= c.device_bytes
+    for _, equals in sorted(_groups(costs, gain).items(), key=lambda item: -item[0]):
+        chosen = _spread(equals, room)
+        for c in chosen + [c for c in equals if c not in chosen]:  # then any other that still fits
+            if c.device_bytes <= room:
+                kinds[c.index] = "resident"
+                room -= c.device_bytes
     for c in costs:
         if c.index not in kinds:
             kinds[c.index] = "host" if not c.shared and host_time(c) < streamed_time(c) else "streamed"
@@ -397,20 +398,29 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
                          vram_bytes, profile, top_k)
 
 
-def _spread_ranks(n: int) -> dict[int, int]:
-    """Each of n layer indexes' rank in an order whose every prefix is spread evenly through the
-    model (the van der Corput sequence: 0, 1/2, 1/4, 3/4, 1/8, … of the layer count), so the layers
-    a budget keeps resident alternate with the streamed ones instead of all coming first."""
-    ranks: dict[int, int] = {}
-    m = 0
-    while len(ranks) < n:
-        fraction, bit, rest = 0.0, 0.5, m
-        while rest:
-            fraction += bit * (rest & 1)
-            rest, bit = rest >> 1, bit / 2
-        ranks.setdefault(int(fraction * n), len(ranks))
-        m += 1
-    return ranks
+def _groups(costs: list, key) -> dict:
+    """The costs by key, each group in layer order."""
+    groups: dict = {}
+    for c in costs:
+        groups.setdefault(key(c), []).append(c)
+    return groups
+
+
+def _spread(layers: list, room: int) -> list:
+    """Layers (in layer order) to keep resident in room bytes, spread evenly among them: walking the
+    layers, each adds its share of the room (room ÷ their bytes, of its own bytes) to a balance,
+    and a layer is kept once the balance reaches half of it (then paid from the balance). At about
+    half the bytes the resident layers alternate with the streamed ones; never the lower ones alone."""
+    total = sum(c.device_bytes for c in layers)
+    share = min(1.0, room / total) if total else 0.0
+    chosen, balance = [], 0.0
+    for c in layers:
+        balance += share * c.device_bytes
+        if balance >= c.device_bytes / 2 and c.device_bytes <= room:
+            chosen.append(c)
+            balance -= c.device_bytes
+            room -= c.device_bytes
+    return chosen
 
 
 def _step_seconds(link: float, gpu: float, host: float) -> float:
@@ -422,7 +432,7 @@ def _step_seconds(link: float, gpu: float, host: float) -> float:
     waits for the layer two streamed layers back to finish, so a run of resident layers hides
     at most two copies. The first plans kept the lower layers resident and streamed the rest, and
     the step was the resident layers' compute plus the copies (an E4B shape at a 3,136 MiB cap on
-    an H200: 30.9 ms against 25.9 for the copies alone); the map now spreads them (_spread_ranks).
+    an H200: 30.9 ms against 25.9 for the copies alone); the map now spreads them (_spread).
     """
     return max(link, gpu) + host
 
