@@ -14,6 +14,8 @@ Parts, all on the same 2-core (or whatever) CPU, one process:
   warm-up each, median of --repeats; decode-only and wall tok/s, TTFT; ratios paired per repeat;
   each side's text against the dense engine's (characters in common before they part). Then the
   TTFT of a prompt of --long-prompt tokens, once per side (prefill runs dense past 64 tokens);
+- prefill: TTFT of prompts of --prefill tokens in chunks of 256 (the GPU's) and of the CPU's
+  longer chunk, the CPU kernels and dense weights;
 - fidelity: the engine in float32 as the reference, teacher-forced one token a step over
   --fidelity tokens of English text (the GPL 3 text): KL(float32 ‖ x), top-1 agreement and
   perplexity for bfloat16 with the kernels and with dense weights.
@@ -143,6 +145,41 @@ def decode(args) -> dict:
     return result
 
 
+def prefill(args) -> dict:
+    """TTFT of prompts of each --prefill length through the engine with the CPU kernels and with
+    dense weights, in chunks of 256 tokens (the GPU's, which the CPU used before) and of the
+    backend's CPU_CHUNK, interleaved, median of --repeats (after one warm-up each)."""
+    from gemmactl.runtime import backend_class
+    from gemmactl.runtime.base import GenerationRequest
+    from gemmactl.runtime.engine import backend as engine_backend
+    from gemmactl.runtime.engine.kernels import KERNEL_ENV
+
+    chunks = (256, engine_backend.CPU_CHUNK)
+    words = " ".join(Path(TEXT).read_text().split()).split()
+    result = {"chunks": list(chunks), "rows": {}}
+    for name, kernel in (("engine, CPU kernels", "auto"), ("engine, dense bfloat16", "dense")):
+        os.environ[KERNEL_ENV] = kernel
+        backend = backend_class("int4")(args.artifact, context_size=4096)
+        for length in args.prefill:
+            prompt = " ".join(words[:length])
+            while len(backend.tokenize(prompt, add_bos=True, special=False)) > length:
+                prompt = prompt.rsplit(" ", 8)[0]
+            request = GenerationRequest(prompt=prompt, temperature=0, max_tokens=2, raw=True, repeat_penalty=1.0)
+            times: dict = {chunk: [] for chunk in chunks}
+            for repeat in range(args.repeats + 1):
+                for chunk in chunks:
+                    engine_backend.CPU_CHUNK = chunk
+                    run = measure(backend, request)
+                    if repeat:
+                        times[chunk].append(run["ttft_s"])
+            result["rows"][f"{name}, {run['prompt_tokens']} tokens"] = {
+                f"chunk {chunk}": round(statistics.median(ts), 3) for chunk, ts in times.items()}
+            engine_backend.CPU_CHUNK = chunks[1]
+        del backend
+    os.environ.pop(KERNEL_ENV, None)
+    return result
+
+
 def fidelity(args) -> dict:
     import torch
 
@@ -189,7 +226,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--long-prompt", type=int, default=512)
     parser.add_argument("--fidelity", type=int, default=512)
-    parser.add_argument("--parts", default="kernels,decode,fidelity")
+    parser.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths of the prefill part")
+    parser.add_argument("--parts", default="kernels,decode,fidelity", help="any of kernels,decode,prefill,fidelity")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from gemmactl.formats.int4.reader import open_artifact
@@ -200,6 +238,8 @@ def main() -> None:
         result["kernels"] = kernels(open_artifact(Path(args.artifact)))
     if "decode" in parts:
         result["decode"] = decode(args)
+    if "prefill" in parts:
+        result["prefill"] = prefill(args)
     if "fidelity" in parts:
         result["fidelity"] = fidelity(args)
     text = json.dumps(result, indent=1)
