@@ -17,8 +17,9 @@ The resident layers are spread between the streamed ones, so the copies run besi
 compute (_step_seconds). Embedding tables go to host memory first when the whole does not fit:
 only the current tokens' rows cross the link. The predicted decode rate counts the longer of the
 copies and the GPU layers' reads (bytes ÷ gpu_bandwidth + gpu latency each), the CPU's layers,
-the head's read and the attention's reads of the KV caches: each layer reads the cache it attends to (its own, or the one
-it shares) at the bandwidth of the device holding it, a sliding layer's window at most. A step
+the head's read and the attention's reads of the KV caches: each layer reads the cache it
+attends to (its own, or the one it shares) at the bandwidth of the device holding it, a sliding
+layer's window at most. A step
 captured in a CUDA graph (no layer on the CPU) reads every slot of every cache, written or not, so
 its rate is the same at any position and `decode_tok_s` is it; an eager step (layers on the CPU)
 reads the slots written so far, and `decode_tok_s_at(position)` grows its reads with the
