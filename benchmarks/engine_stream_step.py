@@ -83,10 +83,9 @@ def raw_link_GBps(size: int = 1 << 30, rounds: int = 5) -> float:
 
 
 def model_layers(artifact) -> int:
-    from gemmactl.runtime.engine.spec import model_spec
+    from gemmactl.runtime.engine.spec import artifact_spec
 
-    shapes = {r.name: (r.stack_shape or r.shape) for r in artifact.records}
-    return model_spec(artifact.config, shapes).n_layers
+    return artifact_spec(artifact).n_layers
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """The `int4` backend: an int4-stream artifact run by the engine.
 
-Prefill runs in chunks of CHUNK tokens (CPU_CHUNK on the CPU) with batched matmuls; decode runs one token per step (a
-replayed CUDA graph on a GPU) and picks the next token on the device, so only its id reaches
-the host. Timings come from the engine itself (synchronized at prefill's end and decode's end).
+Prefill runs in chunks of CHUNK tokens (CPU_CHUNK on the CPU) with batched matmuls; decode runs
+one token per step (a replayed CUDA graph on a GPU) and picks the next token on the device, so
+only its id reaches the host. Timings come from the engine itself (synchronized at prefill's end and decode's end).
 """
 
 from __future__ import annotations

@@ -98,13 +98,11 @@ def draft_placement(artifact, device: str):
     current token's rows cross the link, tens of KB a step; plan/engine_map.draft_gpu_bytes counts
     it so): an E2B draft's tables would take more of a small card than its layers do."""
     from gemmactl.runtime.engine.placement import EnginePlacement
-    from gemmactl.runtime.engine.spec import model_spec
+    from gemmactl.runtime.engine.spec import artifact_spec
 
     if not str(device).startswith("cuda"):
         return None
-    shapes = {r.name: (r.stack_shape or r.shape) for r in artifact.records}
-    layers = model_spec(artifact.config, shapes).n_layers
-    return EnginePlacement(("resident",) * layers, tables_on_host=True,
+    return EnginePlacement(("resident",) * artifact_spec(artifact).n_layers, tables_on_host=True,
                            reason="the draft: every layer on the GPU, its tables in host memory")
 
 

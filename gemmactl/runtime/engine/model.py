@@ -26,7 +26,7 @@ from gemmactl.runtime.engine.kv import KVCache, make_cache
 from gemmactl.runtime.engine.ops import rms_norm
 from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
 from gemmactl.runtime.engine.streaming import LayerStreamer, StagedLayer
-from gemmactl.runtime.engine.spec import SLIDING, LayerSpec, ModelSpec, model_spec, rope_frequencies, rope_rows, score_rows
+from gemmactl.runtime.engine.spec import SLIDING, LayerSpec, ModelSpec, artifact_spec, rope_frequencies, rope_rows, score_rows
 
 
 GATE_UP = "gate+up"  # an MLP's gate and up joined into one product (Layer.join)
@@ -148,12 +148,11 @@ class GemmaModel:
         self.artifact = artifact
         self.device, self.dtype, self.context = torch.device(device), dtype, context
         self.host = torch.device("cpu")
-        shapes = {r.name: (r.stack_shape or r.shape) for r in artifact.records}
-        self.spec: ModelSpec = model_spec(artifact.config, shapes)
+        self.spec: ModelSpec = artifact_spec(artifact)
         self.placement = placement or EnginePlacement.all_resident(self.spec.n_layers)
         if len(self.placement.layers) != self.spec.n_layers:
             raise ValueError(f"the placement has {len(self.placement.layers)} layers, the model {self.spec.n_layers}")
-        self.prefix = "model." if any(n.startswith("model.") for n in shapes) else ""
+        self.prefix = "model." if any(r.name.startswith("model.") for r in artifact.records) else ""
         self.repack = RepackCache(artifact) if self.device.type == "cuda" else None
         spec = self.spec
         self.head = self._head()

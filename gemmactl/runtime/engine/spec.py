@@ -84,6 +84,12 @@ def hf_text_config(config: dict):
     return hf.get_text_config() if hasattr(hf, "get_text_config") else hf
 
 
+def artifact_spec(artifact) -> ModelSpec:
+    """The model's shape from an open int4-stream artifact (its config and its records' shapes,
+    a stacked record's whole stack)."""
+    return model_spec(artifact.config, {r.name: (r.stack_shape or r.shape) for r in artifact.records})
+
+
 def model_spec(config: dict, shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
     """The engine's view of a model: config facts, and per-layer sizes from the tensors' shapes."""
     hf = hf_text_config(config)
