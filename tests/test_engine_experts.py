@@ -94,16 +94,17 @@ def test_experts_copied_from_an_arena_give_the_same_tokens_and_logits(moe_artifa
     settings = ExpertSettings(cache_bytes=slots * store.expert_bytes, policy=policy, miss="copy", prefetch=prefetch,
                               arena=True)
     engine = _engine(moe_artifact, settings)
-    arena = engine.experts.store.arena
-    assert arena is not None and arena.on_device.shape[0] == slots + SCRATCH + engine.experts.top_k
+    arena, top_k = engine.experts.store.arena, engine.experts.top_k
+    capacity = max(0, slots - top_k) if prefetch else slots  # prefetch's ahead rows come out of the cache's room
+    assert arena is not None and arena.on_device.shape[0] == capacity + SCRATCH + top_k + (top_k if prefetch else 0)
     assert sum(chunk.shape[0] for chunk in arena.chunks) == len(store.records) and len(arena.chunks) > 1
     tokens, logits = engine_greedy(engine, PROMPT, STEPS, chunk=3)
     assert tokens == expected_tokens
     assert torch.equal(logits, expected_logits)
     stats = engine.experts.stats()
     assert stats["copied"] == stats["misses"] > 0 and stats["host_share"] == 0.0
-    assert stats["capacity_experts"] == slots
-    assert stats["hits"] == 0 if slots == 0 else slots < len(store.records) // 4 or stats["hits"] > 0
+    assert stats["capacity_experts"] == capacity
+    assert stats["hits"] == 0 if capacity == 0 else capacity < len(store.records) // 4 or stats["hits"] > 0
     if slots == 0 and not prefetch:  # every decoded token brings each layer's top-k experts over the link
         layers = len(engine.experts.blocks)
         assert stats["link_bytes_per_decode_token"] == layers * engine.experts.top_k * store.stored_bytes
@@ -173,6 +174,58 @@ def test_a_step_staged_for_capture_gives_the_tokens_logits_and_counts_of_the_eag
     assert staged_stats["misses"] > 0 and (slots != "quarter" or staged_stats["hits"] > 0)
 
 
+@pytest.mark.parametrize("policy, slots", [("lfu", 0), ("lru", 1), ("lfu", "half"), ("hot", "half")])
+def test_a_staged_step_with_prefetch_takes_guessed_misses_from_the_ahead_rows_and_changes_nothing_else(
+        moe_artifact, monkeypatch, policy, slots):
+    """Prefetch in a captured step (graph_moe.py, here eagerly with the host's tensors): after each
+    layer's stage, the next layer's router applied to this layer's residual stream picks experts
+    that are copied into the arena's ahead rows, and the next layer's misses among them come from
+    there. Logits bit for bit, and hits, misses and copies as staged without prefetch with the
+    cache the ahead rows leave; some misses served from the ahead rows, and none of their bytes
+    crossing the link twice."""
+    monkeypatch.setattr(experts_module, "AGE_EVERY", 7)
+    store = _engine(moe_artifact).experts.store
+    top_k = _engine(moe_artifact).experts.top_k
+    room = len(store.records) // 2 if slots == "half" else slots
+
+    def decode(prefetch: bool):
+        cache = room if prefetch else max(0, room - top_k)  # the ahead rows come out of the cache's room
+        engine = _engine(moe_artifact, ExpertSettings(cache_bytes=cache * store.expert_bytes, policy=policy,
+                                                      miss="copy", prefetch=prefetch, arena=True))
+        for block in engine.experts.blocks:
+            block.prefetch = False  # the prompt's eager steps alike in both (no copies into the cache ahead)
+        logits_seen = []
+
+        def experts_of(call):
+            block = call.block
+            guess = block.next.route(call.residual)[1] if prefetch and block.next is not None else None
+            guessed = block.stage(call.experts, guess)
+            if guessed is not None:
+                block.next.stage_ahead(guessed)
+            return block.staged_sum(call.x, call.weights, call.experts)
+
+        def decoder(token, position):
+            x, per_layer = engine.embed_tokens(token)
+            logits = engine.forward(x, per_layer, torch.tensor([position]), position + 1, experts_of=experts_of)
+            logits_seen.append(logits.clone())
+            return logits
+
+        tokens, _ = engine_greedy(engine, PROMPT, STEPS, chunk=3, decoder=decoder)
+        stats = engine.experts.stats()
+        return tokens, torch.stack(logits_seen), {**stats, "decode_bytes": engine.experts.counters.decode_bytes}
+
+    (tokens, logits, stats), (ahead_tokens, ahead_logits, ahead_stats) = decode(False), decode(True)
+    assert ahead_tokens == tokens
+    assert torch.equal(ahead_logits, logits)
+    for key in ("hits", "misses", "copied", "capacity_experts"):
+        assert ahead_stats[key] == stats[key], key
+    assert ahead_stats["capacity_experts"] == max(0, room - top_k)
+    assert 0 < ahead_stats["prefetch_hits"] <= ahead_stats["prefetched"]
+    # A decoded miss crosses the link once, ahead or at its layer; a wrong guess crosses for nothing.
+    assert ahead_stats["decode_bytes"] == stats["decode_bytes"] + store.stored_bytes * (
+        ahead_stats["prefetched"] - ahead_stats["prefetch_hits"])
+
+
 def test_the_forward_hands_each_moe_layers_experts_to_its_caller(moe_artifact):
     """forward(experts_of=...) is where a captured MoE step cuts its graphs: it is called once per
     MoE layer, in order, with the router's choice made, and what it returns is that layer's sum."""
@@ -219,14 +272,15 @@ def test_an_moe_step_is_captured_in_pieces_on_cuda_unless_turned_off(monkeypatch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["table", "pieces"])
+@pytest.mark.parametrize("mode", ["table", "pieces", "pieces-prefetch"])
 def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mode):
     """On CUDA: (pieces, the default) graphs cut after each MoE layer's router, the chosen experts
     copied into staging rows between replays; or (table, asked for) the whole step in one graph,
     each chosen expert read where a device table says it lies (a cache slot, or its pinned host row
     over the link), the cache kept by the host after each token (graph_moe.TableDecode). The
     tokens of the eager step with the cache whole, small and off, under each policy, and logits
-    within bfloat16 rounding."""
+    within bfloat16 rounding. (pieces-prefetch: the pieces, each also guessing the next layer's
+    experts, copied into the ahead rows while the next piece computes.)"""
     from gemmactl.runtime.engine.graph import DecodeStep
     from gemmactl.runtime.engine.graph_moe import PiecewiseDecode, TableDecode
     from gemmactl.runtime.engine.kernels import int4_groups_kept
@@ -235,10 +289,12 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
     if mode == "table" and not int4_groups_kept(expert=True):
         pytest.skip("the table step needs the experts in the Triton kernels' layout (Triton missing)")
     monkeypatch.setenv("GEMMACTL_ENGINE_GRAPH", "auto")
-    monkeypatch.setenv("GEMMACTL_ENGINE_MOE", mode)
+    prefetch = mode == "pieces-prefetch"
+    monkeypatch.setenv("GEMMACTL_ENGINE_MOE", mode.split("-")[0])
     expert_bytes = None
     for slots, policy in ((None, "lfu"), (3, "lfu"), (3, "lru"), (5, "hot"), (0, "lfu")):
-        settings = ExpertSettings(cache_bytes=None if slots is None else slots * expert_bytes, policy=policy)
+        settings = ExpertSettings(cache_bytes=None if slots is None else slots * expert_bytes, policy=policy,
+                                  prefetch=prefetch)
         engine = GemmaModel(moe_artifact, device="cuda", dtype=torch.bfloat16, context=64, experts=settings)
         expert_bytes = engine.experts.store.expert_bytes
         expected, _ = engine_greedy(engine, PROMPT, STEPS)  # eager, bounded
@@ -253,6 +309,8 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
         stats = engine.experts.stats()
         assert stats["copied"] == stats["misses"] and (slots != 0 or stats["hits"] == 0)
         assert stats["hits"] + stats["misses"] > 0
+        if prefetch and slots is not None:  # guessed misses came from the ahead rows
+            assert 0 < stats["prefetch_hits"] <= stats["prefetched"], (slots, policy)
         if mode == "table" and slots == 3:  # the cache turned over while the steps read it
             assert engine.experts.cache.version > 3
         # One decode step's logits, eager and replayed, after the same prefill.

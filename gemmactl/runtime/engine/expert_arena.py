@@ -15,7 +15,9 @@ has run (an event recorded after each use).
 the layer's own experts), in turn. `staging` rows (top_k of them) serve a decode step captured in
 CUDA graphs (runtime/engine/graph_moe.py): a graph cannot follow an expert from row to row, so
 before each MoE layer's graph the host copies the token's experts into the same rows, in ascending
-order, and the graph computes them there. A hit is a copy within the device (by bandwidth, about
+order, and the graph computes them there. With prefetch, `ahead` rows (top_k more, taken from the
+cache's room) receive the next MoE layer's guessed experts while the graph computes, and its
+misses that were guessed are then copied from there within the device. A hit is a copy within the device (by bandwidth, about
 2 µs for a 26B-A4B expert on an H200, 35 µs at a 4 GB card's 200 GB/s), a miss a copy over the link.
 
 On a machine without a GPU the arena is off by default (the host stands in for the device, and a
@@ -51,7 +53,7 @@ class ExpertArena:
     """Every expert of a store in pinned host rows in the device layout; device rows for the cache's
     slots, the scratch rows and the staging rows; the copies between them, ordered by events on CUDA."""
 
-    def __init__(self, store, capacity: int, staging: int = 0):
+    def __init__(self, store, capacity: int, staging: int = 0, ahead: int = 0):
         self.store, self.device = store, store.device
         self.cuda = self.device.type == "cuda"
         keys = sorted(store.records)
@@ -65,7 +67,10 @@ class ExpertArena:
         for key, row in self.rows.items():  # expert by expert: never the whole model's codes at once
             self._write(row, template if row == 0 else store.linears(key, self.device))
         self.capacity, self.staging = capacity, capacity + SCRATCH  # the first staging row
-        rows = capacity + SCRATCH + staging
+        self.ahead = self.staging + staging  # the first of the rows a captured step's prefetch fills
+        self.ahead_count = ahead
+        self.ahead_keys: dict = {}  # key → ahead row: the next MoE layer's guessed experts, copies queued
+        rows = capacity + SCRATCH + staging + ahead
         self.on_device = torch.empty((rows, self.row_bytes), dtype=torch.uint8, device=self.device)
         self.views = [self._linears(self.on_device[i]) for i in range(rows)]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -166,6 +171,20 @@ class ExpertArena:
             if row < self.staging:  # a cache slot: an eager step reading it waits for this
                 self.ready[row] = done
         torch.cuda.current_stream(self.device).wait_event(done)
+
+    def prefetch(self, keys: list) -> None:
+        """Copy the experts keys over the link into the ahead rows, after every copy queued so far
+        and without making the compute stream wait: they land while the next piece computes, and
+        the next layer's move() (same stream, so after them) takes those it needs from there."""
+        self.ahead_keys = {key: self.ahead + j for j, key in enumerate(keys[:self.ahead_count])}
+        rows = self.device_rows
+        if not self.cuda:
+            for key, row in self.ahead_keys.items():
+                rows[row].copy_(self.host_rows[self.rows[key]])
+            return
+        with torch.cuda.stream(self.stream):
+            for key, row in self.ahead_keys.items():
+                rows[row].copy_(self.host_rows[self.rows[key]], non_blocking=True)
 
     def release_staging(self) -> None:
         """Mark the staging rows' readers so far (a captured piece just launched): the next copies

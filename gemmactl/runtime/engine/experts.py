@@ -444,14 +444,19 @@ class MoEBlock:
                 arena.release(source)
         return out
 
-    def stage(self, experts: torch.Tensor) -> None:
+    def stage(self, experts: torch.Tensor, guess: torch.Tensor | None = None) -> list | None:
         """For one token's step captured in graphs (runtime/engine/graph_moe.py): copy the experts
         the router chose (experts [1, k]) into the arena's staging rows, in ascending order, for
         staged_sum to read. The cache is looked up and filled as combine() does: a hit is copied
         from its slot, a miss crosses the link into its staging row and, where the cache keeps it,
-        on into its slot. Every miss is copied (the captured step has no host compute)."""
+        on into its slot. Every miss is copied (the captured step has no host compute).
+
+        guess [1, k]: the next MoE layer's experts as guessed in the same piece; returned as a list
+        for stage_ahead, read here before the copies are queued (once they are, reading a device
+        tensor would wait for them)."""
         store, cache, counters, arena = self.store, self.cache, self.counters, self.store.arena
         order = sorted(experts[0].tolist())  # waits for the router: the copies depend on its choice
+        guessed = guess[0].tolist() if guess is not None else None
         held = {(self.layer, expert) for expert in order}
         counters.tokens += 1
         counters.decode_tokens += 1
@@ -464,13 +469,38 @@ class MoEBlock:
                 moves.append((slot, row))
                 continue
             counters.copied += 1
-            counters.copied_bytes += store.stored_bytes
-            moves.append((key, row))
+            ahead = arena.ahead_keys.get(key)
+            if ahead is not None:  # guessed a layer ahead: over the link already (counted then)
+                counters.prefetch_hits += 1
+                moves.append((ahead, row))
+            else:
+                counters.copied_bytes += store.stored_bytes
+                moves.append((key, row))
             slot, _ = cache.admit(key, keep=held)
             if slot is not None:
                 moves.append((row, slot))
         counters.decode_bytes += counters.copied_bytes - before
         arena.move(moves)
+        return guessed
+
+    def stage_ahead(self, guess: list) -> None:
+        """For a step captured in pieces, right after this layer's stage(): copy the experts its
+        router picks for the previous MoE layer's residual stream (guess: k experts, computed in
+        the piece before and read by that layer's stage) into the arena's ahead rows, where they
+        are not cached. The copies
+        cross the link while the next piece computes; this layer's stage() then takes its guessed
+        misses from the ahead rows within the device. The cache is neither looked up nor changed
+        (hits, misses and admissions are those without prefetch), so where an expert comes from
+        is all that differs: the same products, the same tokens. A router's choice one layer
+        ahead holds about three quarters of the layer's experts on a random 26B-A4B-shaped model
+        (benchmarks/expert_guess.py, docs/benchmarks.md)."""
+        store, arena, counters = self.store, self.store.arena, self.counters
+        keys = [(self.layer, expert) for expert in sorted(set(guess))]
+        keys = [key for key in keys if key not in self.cache.slots]
+        arena.prefetch(keys)
+        counters.prefetched += len(arena.ahead_keys)
+        counters.copied_bytes += len(arena.ahead_keys) * store.stored_bytes
+        counters.decode_bytes += len(arena.ahead_keys) * store.stored_bytes
 
     def staged_sum(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The experts' sum for one token x [1, H] from the staging rows stage() filled, with no
@@ -552,7 +582,13 @@ class MoEExperts:
         if settings.arena if settings.arena is not None else self.store.device.type == "cuda":
             from gemmactl.runtime.engine.expert_arena import ExpertArena
 
-            self.store.arena = ExpertArena(self.store, capacity, staging=self.top_k)
+            # Prefetch's ahead rows come out of the cache's room (so the plan's budget holds);
+            # with room for every expert there is nothing to fetch ahead.
+            ahead = self.top_k if settings.prefetch and capacity < total else 0
+            capacity = max(0, capacity - ahead)
+            self.cache = ExpertCache(capacity, settings.policy)
+            self.store.rows.count = capacity
+            self.store.arena = ExpertArena(self.store, capacity, staging=self.top_k, ahead=ahead)
         self.counters = ExpertCounters()
         self.rule = settings.rule if isinstance(settings.rule, MissRule) else MissRule()
         if settings.miss:

@@ -10,7 +10,11 @@ previous layer's experts (their sum included) to this layer's router and top-k; 
 reads the router's choice and copies the chosen experts into the arena's staging rows
 (MoEBlock.stage: from their cache slots, or over the link on a miss), and graph i+1 begins by
 computing them there (MoEBlock.staged_sum). Between two graphs the host does one read of k
-integers and k copies. The graphs share one memory pool and are replayed in the order they were
+integers and k copies. With prefetch (`--expert-prefetch`), graph i also applies the next MoE
+layer's router to this layer's residual stream, and the host copies the uncached experts it picks
+into the arena's ahead rows right after this layer's copies: they cross the link while graph i+1
+computes, and the next layer's guessed misses are then copies within the device
+(MoEBlock.stage_ahead). The graphs share one memory pool and are replayed in the order they were
 captured, as torch requires for sharing.
 
 Captured the way graph.DecodeStep captures a dense step: static token and position, the rows of
@@ -60,6 +64,9 @@ class PiecewiseDecode:
             open_capture.pop().__exit__(None, None, None)
 
         def cut(call):  # an MoE layer's router has chosen: end this graph, begin the next with its experts
+            block = call.block
+            if block.prefetch and block.next is not None and block.store.arena.ahead_count:
+                call.guess = block.next.route(call.residual)[1]  # the next layer's guess, in this graph
             end()
             self.calls.append(call)
             begin()
@@ -87,15 +94,22 @@ class PiecewiseDecode:
         self.token.copy_(token.reshape(1))
         self.position.fill_(position)
         arena = self.model.experts.store.arena
+        arena.ahead_keys = {}  # an eager step may have run since the last guess
         fill_rows(self.model, self.token, self.x, self.per_layer)
+        ahead = None  # (the next MoE layer's block, its guessed experts)
         with torch.inference_mode():
             for i, graph in enumerate(self.graphs):
                 graph.replay()
                 if i:
                     arena.release_staging()  # graph i read the staging rows
+                if ahead is not None:  # queued after the replay, so the graph's launch does not wait for it
+                    ahead[0].stage_ahead(ahead[1])
+                    ahead = None
                 if i < len(self.calls):
                     call = self.calls[i]
-                    call.block.stage(call.experts)
+                    guessed = call.block.stage(call.experts, call.guess)
+                    if guessed is not None:
+                        ahead = (call.block.next, guessed)
         return self.logits
 
 

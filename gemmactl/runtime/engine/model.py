@@ -49,6 +49,7 @@ class ExpertCall:
     residual: torch.Tensor
     weights: torch.Tensor
     experts: torch.Tensor
+    guess: torch.Tensor | None = None  # [T, k]: the next MoE layer's router on this residual (a captured step's prefetch)
 
     def run(self) -> torch.Tensor:
         return self.block.combine(self.x, self.residual, self.weights, self.experts)
