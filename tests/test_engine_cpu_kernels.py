@@ -8,6 +8,8 @@ tests are skipped).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -119,10 +121,15 @@ def test_the_engine_in_bfloat16_is_as_close_to_float32_with_the_cpu_kernels_as_w
     assert 0 < kl_dense and kl_kernels <= 3 * kl_dense, (kl_kernels, kl_dense)
 
 
-def test_experts_in_the_cpu_kernels_give_the_same_tokens_and_logits_whatever_the_cache(tmp_path_factory):
+def test_experts_in_the_cpu_kernels_give_the_same_tokens_and_logits_whatever_the_cache(tmp_path_factory,
+                                                                                       monkeypatch):
     """bfloat16 on the CPU, the experts in the int4 kernel: room for every expert, for a few (slots'
     rows overwritten as experts are evicted), for none, misses kept or computed on the host: token
-    for token and bit for bit the fully cached engine."""
+    for token and bit for bit the fully cached engine. The first load writes every expert's layout
+    to a file beside the artifact and later loads map it (nothing copied into rows); without the
+    file (a read-only folder, a full disk) each expert is made on first use, with the same numbers;
+    a damaged file is made again."""
+    from gemmactl.runtime.engine import expert_layouts
     from helpers.random_gemma import build_random_gemma
     from test_engine import PROMPT, engine_greedy
 
@@ -138,9 +145,10 @@ def test_experts_in_the_cpu_kernels_give_the_same_tokens_and_logits_whatever_the
         return GemmaModel(artifact, device="cpu", dtype=torch.bfloat16, context=64, experts=settings)
 
     reference = engine()
-    expected = engine_greedy(reference, PROMPT, 16, chunk=3)
     store = reference.experts.store
-    assert store.rows is not None and store.rows.nbytes() > 0  # the slots' rows, made as experts were
+    assert store.layouts is not None and store.layouts.data.is_file()  # made by the first load
+    expected = engine_greedy(reference, PROMPT, 16, chunk=3)
+    assert store.rows.nbytes() == 0 and store.made == 0  # mapped, never made or copied
     total = len(store.records)
     for slots in (0, 3, total // 4):
         for miss in ("copy", "cpu"):
@@ -150,3 +158,14 @@ def test_experts_in_the_cpu_kernels_give_the_same_tokens_and_logits_whatever_the
             stats = candidate.experts.stats()
             if miss == "copy" and slots:
                 assert stats["misses"] > slots  # slots were reused
+    data, index = store.layouts.data, store.layouts.index_path
+    with open(data, "r+b") as handle:  # a damaged file (here, cut short) is not read: made again
+        handle.truncate(data.stat().st_size // 2)
+    again = engine()
+    assert again.experts.store.layouts is not None and engine_greedy(again, PROMPT, 16, chunk=3)[0] == expected[0]
+    assert data.stat().st_size == json.loads(index.read_text())["bytes"]
+    monkeypatch.setattr(expert_layouts, "open_or_make", lambda *args: None)  # no file: made on first use
+    unmapped = engine()
+    tokens, logits = engine_greedy(unmapped, PROMPT, 16, chunk=3)
+    assert tokens == expected[0] and torch.equal(logits, expected[1])
+    assert unmapped.experts.store.rows.nbytes() > 0  # the slots' rows, made as experts were

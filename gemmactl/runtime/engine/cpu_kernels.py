@@ -86,6 +86,7 @@ class _CpuLinear:
 
     kernel = "cpu"
     out_features = in_features = 0
+    mapped = False  # its tensors are pages of a layout file (runtime/engine/expert_layouts.py)
 
     def __call__(self, x):
         import torch

@@ -220,6 +220,7 @@ class ExpertStore:
         self.host_row_of = {key: i for i, key in enumerate(sorted(self.records))}
         self.made = 0  # experts made in the CPU kernel's layout
         self.arena = None  # an ExpertArena, where the experts are laid out for copying (CUDA)
+        self.layouts = None  # an ExpertLayouts: every expert's CPU layout mapped from a file (expert_layouts.py)
 
     def host_bytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.records.values())
@@ -237,8 +238,8 @@ class ExpertStore:
         (cpu_kernels.release_freed_memory says why)."""
         from gemmactl.runtime.engine.cpu_kernels import release_freed_memory
 
-        if not all(linear.kernel == "int4-cpu" for linear in linears):
-            return linears
+        if not all(linear.kernel == "int4-cpu" for linear in linears) or all(linear.mapped for linear in linears):
+            return linears  # not in the CPU kernel, or pages of the layout file already
         self.made += 1
         if self.made % TRIM_EVERY == 0:
             release_freed_memory()
@@ -254,8 +255,11 @@ class ExpertStore:
         return linears
 
     def linears(self, key, device) -> tuple:
-        """The expert's two matrices as Linears on device, made from the stored codes."""
+        """The expert's two matrices as Linears on device, made from the stored codes (on the
+        host, views of the layout file where there is one)."""
         up, down = self.records[key]
+        if self.layouts is not None and device.type == "cpu":
+            return self.layouts.linear(up), self.layouts.linear(down)
         cuda = device.type == "cuda"
         return (self.make_linear(self.artifact, up, device, self.dtype, self.repack if cuda else None, pad=True),
                 self.make_linear(self.artifact, down, device, self.dtype, self.repack if cuda else None, pad=True))
@@ -571,6 +575,13 @@ class MoEExperts:
         # No repack cache: an expert's tinygemm layout is made on each copy (the cache's slots
         # are its only device copies).
         self.store = ExpertStore(artifact, names, model.device, model.dtype, make_linear)
+        if self.store.device.type == "cpu" and settings.arena is not True:
+            from gemmactl.runtime.engine.cpu_kernels import cpu_kernels_kept
+            from gemmactl.runtime.engine.expert_layouts import open_or_make
+            from gemmactl.runtime.engine.kernels import _dense_forced
+
+            if cpu_kernels_kept(model.dtype, dense_forced=_dense_forced()):
+                self.store.layouts = open_or_make(artifact, self.store.records)
         total = len(self.store.records)
         if settings.cache_bytes is None:
             capacity = total
