@@ -116,13 +116,15 @@ class ExpertLayouts:
             from gemmactl.fileio import atomic_write_text
 
             atomic_write_text(self.index_path, json.dumps(index))
-        except OSError:
+        except BaseException as exc:  # a full disk, or an interrupt: nothing half-written is left
             for path in (tmp, self.data):
                 try:
                     os.unlink(path)
                 except OSError:
                     pass
-            return False
+            if isinstance(exc, OSError):
+                return False
+            raise
         return True
 
     def linear(self, record):
