@@ -144,9 +144,11 @@ def test_experts_in_the_cpu_kernels_give_the_same_tokens_and_logits_whatever_the
     def engine(settings=None):
         return GemmaModel(artifact, device="cpu", dtype=torch.bfloat16, context=64, experts=settings)
 
-    reference = engine()
+    seen = []
+    reference = engine(ExpertSettings(progress=lambda done, total: seen.append((done, total))))
     store = reference.experts.store
     assert store.layouts is not None and store.layouts.data.is_file()  # made by the first load
+    assert len(seen) == len(store.records) and seen[-1][0] == seen[-1][1] == store.layouts.data.stat().st_size
     expected = engine_greedy(reference, PROMPT, 16, chunk=3)
     assert store.rows.nbytes() == 0 and store.made == 0  # mapped, never made or copied
     total = len(store.records)

@@ -28,24 +28,36 @@ def progress_enabled(json_mode: bool = False) -> bool:
 
 
 @contextmanager
-def byte_progress(description: str, enabled: bool) -> Iterator:
-    """A callback(done, total) that drives a tqdm bar on stderr (or does nothing)."""
+def byte_progress(description: str, enabled: bool, lazy: bool = False) -> Iterator:
+    """A callback(done, total) that drives a tqdm bar on stderr (or does nothing). lazy: the bar
+    appears at the first call, for work that usually does not happen (a first load's layouts)."""
     if not enabled:
         yield lambda done, total: None
         return
     from tqdm import tqdm
 
-    bar = tqdm(desc=description, unit="B", unit_scale=True, unit_divisor=1024, leave=False, file=sys.stderr)
+    bars: list = []
+
+    def bar():
+        if not bars:
+            bars.append(tqdm(desc=description, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+                             file=sys.stderr))
+        return bars[0]
+
+    if not lazy:
+        bar()
 
     def update(done: int, total: int) -> None:
-        bar.total = total
-        bar.n = done
-        bar.refresh()
+        shown = bar()
+        shown.total = total
+        shown.n = done
+        shown.refresh()
 
     try:
         yield update
     finally:
-        bar.close()
+        if bars:
+            bars[0].close()
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import click
 
@@ -73,9 +74,11 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
     experts = expert_settings_for(spec.tier, expert_cache, expert_policy, expert_prefetch)
     speculation = draft_settings_for(spec.tier, store, draft, draft_max, draft_tune,
                                      engine=backend_for(resolved) == "int4")
-    backend = open_backend(resolved, context=spec.tier.context, store=store, vram=spec.tier.vram,
-                           rpc=workers or spec.tier.rpc, experts=experts, kv_cache=kv_cache or spec.tier.kv_cache,
-                           yarn=yarn or spec.tier.yarn, draft=speculation)
+    with byte_progress("laying out the experts for the CPU (first load only)", progress_enabled(json_mode),
+                       lazy=True) as progress:
+        backend = open_backend(resolved, context=spec.tier.context, store=store, vram=spec.tier.vram,
+                               rpc=workers or spec.tier.rpc, experts=replace(experts, progress=progress),
+                               kv_cache=kv_cache or spec.tier.kv_cache, yarn=yarn or spec.tier.yarn, draft=speculation)
     if not json_mode:
         for notice in backend.notices:
             warn(notice)

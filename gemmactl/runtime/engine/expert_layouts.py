@@ -74,22 +74,28 @@ class ExpertLayouts:
         return True
 
     def needed_bytes(self) -> int:
-        from gemmactl.runtime.engine.cpu_kernels import cpu_linear_bytes
+        """The file's size: each matrix's codes in the kernel's layout and its scales and zeros
+        (cpu_kernels.cpu_linear_bytes), each part from a page of its own."""
+        total = 0
+        for pair in self.records.values():
+            for r in pair:
+                out_features, in_features = r.shape
+                groups = -(-in_features // r.group_size)
+                total += _aligned(out_features * groups * r.group_size // 2) + _aligned(groups * out_features * 2 * 2)
+        return total
 
-        return sum(_aligned(cpu_linear_bytes("int4", tuple(r.shape), r.group_size)) + ALIGN
-                   for pair in self.records.values() for r in pair)
-
-    def make(self) -> bool:
+    def make(self, progress=None) -> bool:
         """Write every expert's layout, expert by expert (never more than one in memory), then the
-        index; False (nothing left behind) where the folder is read-only or the disk lacks room."""
+        index; False (nothing left behind) where the folder is read-only or the disk lacks room.
+        progress: called with (bytes written, bytes in all) after each expert."""
         import torch
 
         from gemmactl.runtime.engine.cpu_kernels import cpu_int4_layout, release_freed_memory
 
-        folder = self.data.parent
+        folder, needed = self.data.parent, self.needed_bytes()
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            if shutil.disk_usage(folder).free < self.needed_bytes() + SPARE_BYTES:
+            if shutil.disk_usage(folder).free < needed + SPARE_BYTES:
                 return False
             fd, tmp = tempfile.mkstemp(prefix=f".{self.data.name}.", suffix=".tmp", dir=folder)
         except OSError:
@@ -111,6 +117,8 @@ class ExpertLayouts:
                         entries[record.key] = placed
                     if count % TRIM_EVERY == TRIM_EVERY - 1:
                         release_freed_memory()
+                    if progress is not None:
+                        progress(offset, needed)
             os.replace(tmp, self.data)
             index = {"format": FORMAT, "bytes": offset, "entries": entries}
             from gemmactl.fileio import atomic_write_text
@@ -151,13 +159,13 @@ class ExpertLayouts:
         return len(self._mapped) if self._mapped is not None else 0
 
 
-def open_or_make(artifact, records: dict) -> ExpertLayouts | None:
+def open_or_make(artifact, records: dict, progress=None) -> ExpertLayouts | None:
     """The store's experts mapped from their layout file, made first where it is missing; None
     where they cannot be (a layout the kernel does not take, no room, a read-only folder)."""
     layouts = ExpertLayouts(artifact, records)
     if not layouts.fits():
         return None
-    if layouts.open() or (layouts.make() and layouts.open()):
+    if layouts.open() or (layouts.make(progress) and layouts.open()):
         return layouts
     return None
 

@@ -26,6 +26,7 @@ class ExpertSettings:
     rule: object | None = None  # a MissRule with the machine's prices; None: copy every miss
     prefetch: bool = False  # copy in the next MoE layer's likely experts (off: not measured to pay yet)
     arena: bool | None = None  # experts laid out for copying (runtime/engine/expert_arena.py); None: on CUDA
+    progress: object | None = None  # callback(done, total bytes) while a first load writes the CPU layouts
 
     @property
     def is_default(self) -> bool:

@@ -581,7 +581,7 @@ class MoEExperts:
             from gemmactl.runtime.engine.kernels import _dense_forced
 
             if cpu_kernels_kept(model.dtype, dense_forced=_dense_forced()):
-                self.store.layouts = open_or_make(artifact, self.store.records)
+                self.store.layouts = open_or_make(artifact, self.store.records, settings.progress)
         total = len(self.store.records)
         if settings.cache_bytes is None:
             capacity = total
