@@ -488,16 +488,15 @@ class MoEBlock:
         return guessed
 
     def stage_ahead(self, guess: list) -> None:
-        """For a step captured in pieces, right after this layer's stage(): copy the experts its
-        router picks for the previous MoE layer's residual stream (guess: k experts, computed in
-        the piece before and read by that layer's stage) into the arena's ahead rows, where they
-        are not cached. The copies
-        cross the link while the next piece computes; this layer's stage() then takes its guessed
-        misses from the ahead rows within the device. The cache is neither looked up nor changed
-        (hits, misses and admissions are those without prefetch), so where an expert comes from
-        is all that differs: the same products, the same tokens. A router's choice one layer
-        ahead holds about three quarters of the layer's experts on a random 26B-A4B-shaped model
-        (benchmarks/expert_guess.py, docs/benchmarks.md)."""
+        """For a step captured in pieces: copy the experts this layer's router picks for the
+        previous MoE layer's residual stream (guess: k experts, computed in the piece before and
+        read by that layer's stage) into the arena's ahead rows, where they are not cached. The
+        copies cross the link while the next piece computes; this layer's stage() then takes its
+        guessed misses from the ahead rows within the device. The cache is neither looked up nor
+        changed (hits, misses and admissions are those without prefetch), so where an expert
+        comes from is all that differs: the same products, the same tokens. A router's choice one
+        layer ahead holds about three quarters of the layer's experts on a random 26B-A4B-shaped
+        model (benchmarks/expert_guess.py, docs/benchmarks.md)."""
         store, arena, counters = self.store, self.store.arena, self.counters
         keys = [(self.layer, expert) for expert in sorted(set(guess))]
         keys = [key for key in keys if key not in self.cache.slots]
