@@ -431,3 +431,25 @@ def test_expert_options_that_cannot_apply_are_one_line_each(moe_run_artifact, ru
     assert result.exit_code != 0 and "--expert-cache 'lots' is not a size" in result.output
     result = invoke(runner, ["run", "--expert-cache", "1G", "hello"])  # the embedded GGUF: llama.cpp
     assert result.exit_code != 0 and "expert cache belongs to the int4 engine" in result.output
+
+
+def test_a_plan_whose_experts_do_not_fit_the_ram_says_so_before_loading(moe_run_artifact, runner, isolated_home):
+    """The experts stay in host memory (pinned on a GPU machine): a plan, and the engine's placement
+    at load, refuse RAM that cannot hold them and the process, in one line naming what is needed."""
+    from types import SimpleNamespace
+
+    from conftest import invoke
+
+    from gemmactl.errors import BudgetTooSmallError
+    from gemmactl.plan.auto import engine_placement
+    from gemmactl.plan.engine_map import HOST_MARGIN_BYTES
+
+    options = ["plan", str(moe_run_artifact), "--backend", "int4", "--hardware", "desktop-4g", "--vram", "4G",
+               "--context", "1024"]
+    result = invoke(runner, [*options, "--ram", "1G"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "in host memory (the MoE experts as stored" in result.output and "(--ram)" in result.output
+    assert invoke(runner, [*options, "--ram", "32G"]).exit_code == 0
+    machine = SimpleNamespace(gpus=[SimpleNamespace(index=0, memory_bytes=4 << 30)], ram_bytes=HOST_MARGIN_BYTES)
+    with pytest.raises(BudgetTooSmallError, match="this machine's RAM"):
+        engine_placement(moe_run_artifact, 256, vram=4 << 30, machine=machine)

@@ -157,7 +157,7 @@ def engine_placement(artifact: Path, context: int, *, vram: int | None = None, m
     the CPU runs it all). vram: the tier's budget (default: the GPU's free memory). draft: a
     plan/engine_map.DraftNeed whose GPU bytes the budget holds too. A budget too small for the
     engine raises BudgetTooSmallError with the minimum that works."""
-    from gemmactl.plan.engine_map import plan_engine_or_say_the_longest
+    from gemmactl.plan.engine_map import check_host_memory, plan_engine_or_say_the_longest
     from gemmactl.plan.profile import DEFAULT_PROFILE, cached_profile, gpu_free_bytes, load_profile
     from gemmactl.store import Store
 
@@ -171,6 +171,7 @@ def engine_placement(artifact: Path, context: int, *, vram: int | None = None, m
     profile = cached_profile(store.home / "plan", machine) or load_profile(DEFAULT_PROFILE)
     profile = replace(profile, vram_bytes=gpu.memory_bytes, ram_bytes=machine.ram_bytes or profile.ram_bytes)
     chosen = plan_engine_or_say_the_longest(Path(artifact), profile, budget, context, kv_mode, draft)
+    check_host_memory(chosen, machine.ram_bytes)  # before anything is loaded
     return placement_of(chosen, profile)
 
 

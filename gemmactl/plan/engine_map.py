@@ -235,6 +235,26 @@ def plan_engine_or_say_the_longest(artifact: Path, profile, vram_bytes: int, con
                                        f"(--kv-cache int8, tq4, tq3). {exc.hint}") from None
 
 
+HOST_MARGIN_BYTES = 2 << 30  # beside what the map keeps in host memory: the process itself and the system
+
+
+def check_host_memory(chosen: EngineMap, ram_bytes: int | None, given: bool = False) -> None:
+    """Raise BudgetTooSmallError, before anything is loaded, where the host memory the map keeps
+    (every MoE expert as stored, pinned on a GPU machine; the embedding tables; the layers off the
+    GPU) and HOST_MARGIN_BYTES for the process do not fit the RAM. given: the RAM came from --ram."""
+    if not ram_bytes or chosen.host_bytes + HOST_MARGIN_BYTES <= ram_bytes:
+        return
+    parts = "the MoE experts as stored, the embedding tables" if chosen.experts else "the embedding tables"
+    if any(kind != "resident" for kind in chosen.layers):
+        parts += " and the layers off the GPU"
+    where = "the RAM given" if given else "this machine's RAM"
+    raise BudgetTooSmallError(
+        f"the engine keeps {format_size(chosen.host_bytes)} of this model in host memory ({parts}); with "
+        f"{format_size(HOST_MARGIN_BYTES)} for the process, {where} ({format_size(ram_bytes)}) is not enough",
+        hint=f"Run it where there are at least {format_size(chosen.host_bytes + HOST_MARGIN_BYTES)} of RAM"
+             + (" (--ram)" if given else "") + ", or run a smaller model.")
+
+
 @dataclass(frozen=True)
 class DraftNeed:
     """A speculative draft beside the model: its artifact (loaded whole on the GPU, its KV caches

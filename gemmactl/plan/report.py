@@ -128,11 +128,13 @@ def build_plan(
         plan = plan_placement(inventory, profile, budget, context=context, parallel=parallel)
     except BudgetTooSmallError:
         if engine_planned and not longest:
-            # The engine's least budget is its own (its CUDA context, staging areas): say that one,
-            # not llama.cpp's, which would send the user to a budget the engine refuses.
-            from gemmactl.plan.engine_map import plan_engine_or_say_the_longest
+            # The engine's least budget is its own (its CUDA context, staging areas, the host
+            # memory it keeps): say that one, not llama.cpp's, which would send the user to a
+            # budget the engine refuses.
+            from gemmactl.plan.engine_map import check_host_memory, plan_engine_or_say_the_longest
 
-            plan_engine_or_say_the_longest(path, profile, vram_bytes, context, kv_cache, need)
+            check_host_memory(plan_engine_or_say_the_longest(path, profile, vram_bytes, context, kv_cache, need),
+                              ram_bytes, given=ram is not None)
         raise
     plan.budget = Budget(vram_bytes, ram_bytes)
     engine = None
@@ -150,6 +152,10 @@ def build_plan(
             plan.budget = Budget(vram_bytes, ram_bytes)
         engine = (plan_engine_or_say_the_longest(path, profile, vram_bytes, context, kv_cache, need)
                   if profile.has_gpu else None)
+        if engine is not None:
+            from gemmactl.plan.engine_map import check_host_memory
+
+            check_host_memory(engine, ram_bytes, given=ram is not None)
     split = None
     if rpc:
         if backend == "int4":
