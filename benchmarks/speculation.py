@@ -16,7 +16,9 @@ with a plain run just before it (the plain model stays loaded beside), so a 2-co
 does not enter the ratio; greedy, --tokens tokens, one warm-up, then --repeats pairs; the median
 of the pairs' ratios for decode-only tok/s (tokens after the first ÷ the time after it) and wall
 tok/s (with prefill), the acceptance, and whether the text equals plain decoding's. The tuner
-keeps what it learned across a mode's runs, as a loaded tier does.
+keeps what it learned across a mode's runs, as a loaded tier does. `--temperature T` samples
+instead (seed 0): speculation then accepts by the rejection rule, and its text is a different
+draw from the same distribution, so only the rates and the acceptance compare.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def summarize(pairs: list, tuner) -> dict:
         row["plain_" + key] = statistics.median(base[key] for base, _ in pairs)
         row[key.removesuffix("_tok_s") + "_vs_plain"] = round(statistics.median(run[key] / base[key]
                                                                                 for base, run in pairs), 3)
-    row["same_text"] = all(run["text"] == base["text"] for base, run in pairs)
+    row["same_text"] = all(run["text"] == base["text"] for base, run in pairs)  # greedy: must hold
     spec = pairs[-1][1]["speculation"]
     row.update(acceptance=spec["acceptance"], rounds=spec["rounds"], plain_steps=spec["plain_steps"],
                tokens_per_round=spec["tokens_per_round"], tuner=tuner.summary())
@@ -114,6 +116,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (texts must equal plain decoding's); above 0: sampled with a fixed seed, "
+                             "speculation by the rejection rule (texts differ from plain's draw by draw)")
     args = parser.parse_args()
     import torch
 
@@ -124,9 +129,11 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     target = str(quantized(args.checkpoint, args.work / "target-g32", 32, "int8"))
     result = {"command": " ".join(sys.argv), "threads": torch.get_num_threads(), "tokens": args.tokens,
+              "temperature": args.temperature,
               "load_average_start": os.getloadavg(), "prompts": {}}
     for prompt_name, prompt in PROMPTS.items():
-        request = GenerationRequest(prompt=prompt, temperature=0, max_tokens=args.tokens, raw=True, repeat_penalty=1.0)
+        request = GenerationRequest(prompt=prompt, temperature=args.temperature, max_tokens=args.tokens, raw=True,
+                                    repeat_penalty=1.0, seed=0 if args.temperature else None)
         plain = EngineBackend(target, context_size=1024)
         measure(plain, replace(request, max_tokens=8))  # warm-up
         rows = {}

@@ -392,3 +392,41 @@ def test_gpu_captured_verify_step_gives_plain_decodings_tokens(artifacts, draft_
                     break
         assert out == plain, (draft_kind, k)
         assert speculator.stats.rounds
+
+
+@pytest.fixture(scope="module")
+def real_pair(gemma3_hf_checkpoint, tmp_path_factory):
+    """The real Gemma 3 270M as a target (groups of 32) and its coarser draft (groups of 128, every
+    matrix int4), as benchmarks/speculation.py pairs them."""
+    folder = tmp_path_factory.mktemp("speculative-270m")
+    for name, group, sensitive in (("target", 32, "int8"), ("draft", 128, "int4")):
+        quantize_checkpoint(gemma3_hf_checkpoint, folder / name, QuantizeOptions(group_size=group, sensitive=sensitive))
+    return folder / "target", folder / "draft"
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not __import__("gemmactl.runtime.engine.cpu_kernels", fromlist=["x"]).cpu_kernels_kept(torch.bfloat16),
+                    reason="no AVX2/AVX-512 CPU kernels here")
+def test_the_real_270m_in_bfloat16_speculates_plain_decodings_text(real_pair):
+    """`run`'s engine on the CPU (bfloat16, the CPU kernels), greedy, a code prompt, drafts of 3:
+    the text of plain decoding. With the verify step's attention batched (before model._attention's
+    rows_as_decode), this prompt's text changed ("return 1" became "return 0")."""
+    from gemmactl.runtime.base import GenerationRequest
+    from gemmactl.runtime.engine.backend import EngineBackend
+    from gemmactl.runtime.engine.draft import DraftSettings
+
+    request = GenerationRequest(prompt="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+                                       "    if n < 2:\n        return n\n", temperature=0, max_tokens=48, raw=True,
+                                repeat_penalty=1.0)
+
+    def text(backend):
+        from gemmactl.runtime.base import stream_generate
+
+        pieces = [event.text for event in stream_generate(backend, request) if hasattr(event, "channel")]
+        backend.close()
+        return "".join(pieces)
+
+    target, draft = (str(path) for path in real_pair)
+    plain = text(EngineBackend(target, context_size=1024))
+    speculative = EngineBackend(target, context_size=1024, draft=DraftSettings(draft, k_max=3, tune=False))
+    assert text(speculative) == plain and plain

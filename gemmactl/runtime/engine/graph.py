@@ -172,16 +172,18 @@ class VerifyStep:
         """Logits [len(tokens), V] of tokens at position, position + 1, ..."""
         model, n = self.model, len(tokens)
         device = model.device
+        as_decode = device.type == "cpu"  # the CPU's kernels are row-independent: exact (model._attention)
         if (self.graph is None and not self.pad) or n > self.width or position + self.width > model.context:
             with torch.inference_mode():
                 return model.step(torch.tensor(tokens, dtype=torch.long, device=device),
-                                  torch.arange(position, position + n, device=device), position + n, all_logits=True)
+                                  torch.arange(position, position + n, device=device), position + n, all_logits=True,
+                                  rows_as_decode=as_decode)
         padded = tokens + tokens[-1:] * (self.width - n)
         self.tokens.copy_(torch.tensor(padded, dtype=torch.long))
         torch.add(self.offsets, position, out=self.positions)
         if self.graph is None:
             with torch.inference_mode():
-                return model.step(self.tokens, self.positions, all_logits=True)[:n]
+                return model.step(self.tokens, self.positions, all_logits=True, rows_as_decode=as_decode)[:n]
         if model.placement.tables_on_host:
             fill_rows(model, self.tokens, self.x, self.per_layer)
         self.graph.replay()

@@ -310,19 +310,22 @@ class GemmaModel:
         return x, (projected + token_part) * 2.0 ** -0.5
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, end: int | None = None,
-             all_logits: bool = False) -> torch.Tensor:
+             all_logits: bool = False, rows_as_decode: bool = False) -> torch.Tensor:
         """Run tokens [T] at positions [T] (consecutive, continuing the cache); returns the last
         token's logits [V] in float32.
 
         end: the last position + 1 when the caller knows it on the host. Attention then reads only
         the slots written so far; without it (a captured graph, whose shapes cannot change) every
         slot is read and the unwritten ones masked. all_logits: every token's logits [T, V] instead.
+        rows_as_decode: each token attends as a one-token step at its position would (speculation's
+        verify step: _attention says why).
         """
         x, per_layer_inputs = self.embed_tokens(tokens)
-        return self.forward(x, per_layer_inputs, positions, end, all_logits)
+        return self.forward(x, per_layer_inputs, positions, end, all_logits, rows_as_decode=rows_as_decode)
 
     def forward(self, x: torch.Tensor, per_layer_inputs: torch.Tensor | None, positions: torch.Tensor,
-                end: int | None = None, all_logits: bool = False, experts_of=None) -> torch.Tensor:
+                end: int | None = None, all_logits: bool = False, experts_of=None,
+                rows_as_decode: bool = False) -> torch.Tensor:
         """experts_of: called with each MoE layer's `ExpertCall` (the experts' input and the router's
         choice), returns the experts' sum; by default the layer's block computes it. A captured
         step ends one CUDA graph and begins the next there (runtime/engine/graph_moe.py)."""
@@ -346,7 +349,7 @@ class GemmaModel:
             at, rope, inputs = here[dev]
             residual = x
             h = rms_norm(x, layer.norms["input"], spec.eps)
-            h = self._attention(layer, h, at, rope[s.kind], end)
+            h = self._attention(layer, h, at, rope[s.kind], end, rows_as_decode)
             x = residual + rms_norm(h, layer.norms["post_attention"], spec.eps)
             residual = x
             h = layer.feed_forward(rms_norm(x, layer.norms["pre_feedforward"], spec.eps))
@@ -373,7 +376,17 @@ class GemmaModel:
             logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
         return logits.float()
 
-    def _attention(self, layer: Layer, h: torch.Tensor, positions: torch.Tensor, rope, end: int | None) -> torch.Tensor:
+    def _attention(self, layer: Layer, h: torch.Tensor, positions: torch.Tensor, rope, end: int | None,
+                   rows_as_decode: bool = False) -> torch.Tensor:
+        """rows_as_decode (t > 1, speculation's verify step): the rows' keys and values are written
+        first, then each row reads the cache exactly as a one-token step at its position does (the
+        same slots, the same products in the same order), so its output is that step's bit for bit
+        wherever the matrix kernels give a row the same result alone or in a batch (torch's CPU int4
+        and int8 kernels do; checked in tests). Batched, the attention's products take other
+        shapes, and a sliding layer's keys another order, whose rounding moved a near-tie of the
+        real 270M in bfloat16: greedy speculation must give plain decoding's tokens. Writing the
+        rows first is safe: a verify step runs at most k_max + 1 rows, and a ring keeps k_max spare
+        slots, so no row overwrites a key an earlier row still reads."""
         s, a, eps = layer.spec, layer.attn, self.spec.eps
         cos, sin = rope
         t = h.shape[0]
@@ -390,7 +403,7 @@ class GemmaModel:
                 v = rms_norm(v, None, eps)
             if end is not None and end == t:  # a sequence's first chunk (positions from 0)
                 cache.begin(k, v)
-            if cache.ring and t > 1:
+            if cache.ring and t > 1 and not rows_as_decode:
                 # A chunk attends to the ring as it was (the window before it) and to itself, then
                 # is written: writing first could overwrite keys its first tokens still need.
                 held = cache.slots if end is None else min(cache.slots, end - t)  # slots written before
@@ -403,7 +416,16 @@ class GemmaModel:
                 cache.write(k, v, positions)
                 return self._scores(layer, q, *keys, positions, cache.rotation, cache.value_offset)
             cache.write(k, v, positions)
+        if rows_as_decode and t > 1:
+            ends = [int(p) + 1 for p in positions.tolist()]
+            return torch.cat([self._read_and_attend(layer, q[i:i + 1], cache, min(cache.slots, ends[i]),
+                                                    positions[i:i + 1]) for i in range(t)])
         held = cache.slots if end is None else min(cache.slots, end)  # a ring fills slots 0.. first
+        return self._read_and_attend(layer, q, cache, held, positions)
+
+    def _read_and_attend(self, layer: Layer, q, cache, held: int, positions) -> torch.Tensor:
+        """The attention of query rows q [T, N, D] over the first held slots of cache, projected."""
+        s, t = layer.spec, q.shape[0]
         if cache.mode != "bf16" and cache.device == q.device and not self.spec.attn_softcap \
                 and kv_attention.usable(q.device, t, s.head_dim):
             return self._scores_fused(layer, q, cache, held, positions)
