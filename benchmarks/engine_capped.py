@@ -21,7 +21,7 @@ llama-bench with llama.cpp's own fitting (`--fit-target`: the device's memory le
 `--zipf S` skews the engine's routers on purpose (benchmarks/skewed_router.py: Zipf S over each
 layer's experts, synthetic), and `--runs policies` runs the engine once per expert cache policy and
 once with the cache off (hit rate, bytes over the link per token, decode and wall tok/s);
-`--runs prefetch` runs the engine again with `--expert-prefetch`.
+`--runs prefetch` runs the engine again without prefetch (`--no-expert-prefetch`).
 
     python benchmarks/engine_capped.py --artifact DIR --gguf FILE --hf-model DIR --bench llama-bench --out DIR
 """
@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=380, help="about 512 tokens")
     parser.add_argument("--runs", default="verify,run,bench,accelerate",
                         help="which runs, comma-separated (run: `gemmactl run` on both back ends; run-engine, "
-                             "run-llamacpp: on one; prefetch: the engine again with --expert-prefetch)")
+                             "run-llamacpp: on one; prefetch: the engine again with --no-expert-prefetch)")
     parser.add_argument("--policies", help="with --runs policies: which of them, comma-separated (default: "
                                            "lru,lfu,hot,off; off is the cache turned off)")
     parser.add_argument("--zipf", type=float, help="skew the engine's MoE routers: Zipf S over each layer's experts")
@@ -189,8 +189,8 @@ def main() -> None:
     for tier in ("engine", "llamacpp"):
         if "run" in runs or f"run-{tier}" in runs:
             result[f"run_{tier}"] = run_tier(tier, tier)
-        if tier == "engine" and "prefetch" in runs:  # beside the run without it, in the same call
-            result["run_engine_prefetch"] = run_tier("engine", "engine-prefetch", "--expert-prefetch")
+        if tier == "engine" and "prefetch" in runs:  # beside the run with it (the default), in the same call
+            result["run_engine_no_prefetch"] = run_tier("engine", "engine-no-prefetch", "--no-expert-prefetch")
     if "policies" in runs:
         from gemmactl.runtime.engine.expert_settings import POLICIES
 
@@ -305,12 +305,10 @@ def table(r: dict) -> str:
         f"| llama.cpp, `run` | {fmt(lcpp['decode_tok_s'])} | {fmt(lcpp['wall_tok_s'])} | {fmt(lcpp['ttft_s'], '.3f')} | "
         f"{lcpp['peak_mib']} | |",
     ]
-    ahead = r.get("run_engine_prefetch")
-    if ahead:
-        experts = (ahead.get("engine") or {}).get("experts") or {}
-        rows.insert(4, f"| engine, `run --expert-prefetch` ({experts.get('prefetch_hits')} of {experts.get('prefetched')} "
-                       f"guessed used) | {fmt(ahead['decode_tok_s'])} | {fmt(ahead['wall_tok_s'])} | "
-                       f"{fmt(ahead['ttft_s'], '.3f')} | {ahead['peak_mib']} | |")
+    plain = r.get("run_engine_no_prefetch")
+    if plain:
+        rows.insert(4, f"| engine, `run --no-expert-prefetch` | {fmt(plain['decode_tok_s'])} | {fmt(plain['wall_tok_s'])} | "
+                       f"{fmt(plain['ttft_s'], '.3f')} | {plain['peak_mib']} | |")
     best, fit = (r.get("n_cpu_moe_sweep") or {}).get("best"), r.get("llama_fit")
     if best:
         points = len(r["n_cpu_moe_sweep"]["points"])
@@ -327,9 +325,9 @@ def table(r: dict) -> str:
              f"{_ratio(eng['wall_tok_s'], lcpp['wall_tok_s'])} | {_ratio(lcpp['ttft_s'], eng['ttft_s'])} |"]
     if best:
         rows.append(f"| llama.cpp (best `-ncmoe`) | {_ratio(eng['decode_tok_s'], best['tg_tok_s'])} | | |")
-        if ahead:
-            rows.append(f"| llama.cpp (best `-ncmoe`), engine with prefetch | "
-                        f"{_ratio(ahead['decode_tok_s'], best['tg_tok_s'])} | | |")
+        if plain:
+            rows.append(f"| llama.cpp (best `-ncmoe`), engine without prefetch | "
+                        f"{_ratio(plain['decode_tok_s'], best['tg_tok_s'])} | | |")
     if acc:
         rows.append(f"| accelerate | {_ratio(eng['decode_tok_s'], acc.get('decode_tok_s'))} | "
                     f"{_ratio(eng['wall_tok_s'], acc.get('wall_tok_s'))} | {_ratio(acc.get('ttft_s'), eng['ttft_s'])} |")

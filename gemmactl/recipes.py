@@ -77,7 +77,7 @@ class Tier:
     rpc: tuple[str, ...] = ()  # llama.cpp RPC workers, HOST:PORT[=SIZE], that take a share of the layers
     expert_cache: int | None = None  # MoE on the int4 engine: device bytes for cached experts (None: auto, 0: off)
     expert_policy: str | None = None  # lru, lfu or hot (None: the engine's default)
-    expert_prefetch: bool = False  # copy in the next MoE layer's likely experts ahead of it
+    expert_prefetch: bool = True  # copy in the next MoE layer's likely experts ahead of it
     kv_cache: str | None = None  # KV cache mode: bf16/int8/tq4/tq3 (int4 engine), f16/q8_0/q4_0 (llama.cpp)
     yarn: float | None = None  # YaRN factor for the global layers' rope (int4 engine)
 

@@ -164,7 +164,8 @@ def test_a_step_staged_for_capture_gives_the_tokens_logits_and_counts_of_the_eag
 
     store = _engine(moe_artifact).experts.store
     room = len(store.records) // 4 if slots == "quarter" else slots
-    settings = ExpertSettings(cache_bytes=room * store.expert_bytes, policy=policy, miss="copy", arena=True)
+    settings = ExpertSettings(cache_bytes=room * store.expert_bytes, policy=policy, miss="copy", arena=True,
+                              prefetch=False)
     runs = [decode(_engine(moe_artifact, settings), staged) for staged in (False, True)]
     (tokens, logits, stats), (staged_tokens, staged_logits, staged_stats) = runs
     assert staged_tokens == tokens

@@ -455,9 +455,10 @@ def test_rpc_workers_are_a_list_or_one_string():
 def test_expert_cache_fields():
     recipe = parse_recipe("tiers:\n  deep:\n    model: a\n    expert_cache: 2G\n    expert_policy: hot\n"
                           "    expert_prefetch: true\n"
-                          "  fast:\n    model: a\n    expert_cache: off\n  other:\n    model: a\n    expert_cache: auto\n")
+                          "  fast:\n    model: a\n    expert_cache: off\n    expert_prefetch: false\n  other:\n    model: a\n    expert_cache: auto\n")
     assert (recipe.tiers["deep"].expert_cache, recipe.tiers["deep"].expert_policy) == (2 << 30, "hot")
     assert recipe.tiers["deep"].expert_prefetch and not recipe.tiers["fast"].expert_prefetch
+    assert recipe.tiers["other"].expert_prefetch  # on unless a tier turns it off (measured to pay)
     assert recipe.tiers["fast"].expert_cache == 0 and recipe.tiers["other"].expert_cache is None
     with pytest.raises(RecipeError, match=r"tiers\.deep\.expert_policy must be one of lru, lfu, hot"):
         parse_recipe("tiers:\n  deep:\n    model: a\n    expert_policy: fifo\n")

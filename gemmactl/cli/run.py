@@ -28,7 +28,7 @@ from gemmactl.sizes import format_size
 @click.option("--rpc", "rpc", multiple=True, metavar="HOST:PORT[=SIZE]", help="RPC workers (`gemmactl worker`) that take a share of a GGUF's layers; repeatable or comma-separated (default: the tier's rpc).")
 @click.option("--expert-cache", "expert_cache", metavar="SIZE|auto|off", help="MoE models on the int4 engine: GPU memory for cached experts (default: the tier's, else auto: the room the plan leaves).")
 @click.option("--expert-policy", "expert_policy", metavar="lru|lfu|hot", help="Which cached expert makes room for a new one (default: the tier's, else lfu).")
-@click.option("--expert-prefetch/--no-expert-prefetch", "expert_prefetch", default=None, help="Copy in the next MoE layer's likely experts ahead of it (default: the tier's, else off).")
+@click.option("--expert-prefetch/--no-expert-prefetch", "expert_prefetch", default=None, help="Copy in the next MoE layer's likely experts ahead of it (default: the tier's, else on).")
 @click.option("--kv-cache", "kv_cache", metavar="MODE", help="KV cache mode: bf16, int8, tq4 or tq3 on the int4 engine; f16, q8_0 or q4_0 on llama.cpp (default: the tier's).")
 @click.option("--yarn", "yarn", type=click.FloatRange(min=1, max=64), metavar="FACTOR", help="YaRN rope scaling of the global layers by FACTOR (int4 engine; default: the tier's).")
 @click.option("--draft", "draft", metavar="MODEL", shell_complete=complete.models, help="Speculative decoding on the int4 engine with this draft (an int4-stream artifact of the same vocabulary; default: the tier's speculative draft_model).")

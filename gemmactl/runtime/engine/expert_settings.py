@@ -24,13 +24,13 @@ class ExpertSettings:
     policy: str = DEFAULT_POLICY
     miss: str | None = None  # force "copy" or "cpu" for every miss (measurements, tests)
     rule: object | None = None  # a MissRule with the machine's prices; None: copy every miss
-    prefetch: bool = False  # copy in the next MoE layer's likely experts (off: not measured to pay yet)
+    prefetch: bool = True  # copy in the next MoE layer's likely experts (measured to pay on an H200: docs/benchmarks.md)
     arena: bool | None = None  # experts laid out for copying (runtime/engine/expert_arena.py); None: on CUDA
     progress: object | None = None  # callback(done, total bytes) while a first load writes the CPU layouts
 
     @property
     def is_default(self) -> bool:
-        return self.cache_bytes is None and self.policy == DEFAULT_POLICY and self.miss is None and not self.prefetch
+        return self.cache_bytes is None and self.policy == DEFAULT_POLICY and self.miss is None and self.prefetch
 
 
 def parse_expert_cache(value: str | int | None, *, option: str = "--expert-cache") -> int | None:
