@@ -382,7 +382,7 @@ class GemmaModel:
         first, then each row reads the cache exactly as a one-token step at its position does (the
         same slots, the same products in the same order), so its output is that step's bit for bit
         wherever the matrix kernels give a row the same result alone or in a batch (torch's CPU int4
-        and int8 kernels do; checked in tests). Batched, the attention's products take other
+        and int8 kernels do; a real-model test holds the text). Batched, the attention's products take other
         shapes, and a sliding layer's keys another order, whose rounding moved a near-tie of the
         real 270M in bfloat16: greedy speculation must give plain decoding's tokens. Writing the
         rows first is safe: a verify step runs at most k_max + 1 rows, and a ring keeps k_max spare
