@@ -37,6 +37,7 @@ ROW_MULTIPLE = 16  # the int4 kernel's layout takes rows in multiples of this
 KERNEL_TOKENS_MAX = 64
 DECODE_BLOCK_VALUES = 1 << 22  # values a product past KERNEL_TOKENS_MAX decodes at once (8 MB in bfloat16)
 CONVERT_ROWS = 128  # rows made into the kernel's layout at a time (a multiple of its tile of 64)
+TRIM_EVERY = 32  # experts made in the kernel's layout between two release_freed_memory() calls
 
 
 def cpu_kernels_kept(dtype, dense_forced: bool = False) -> bool:

@@ -15,10 +15,11 @@ has run (an event recorded after each use).
 the layer's own experts), in turn. `staging` rows (top_k of them) serve a decode step captured in
 CUDA graphs (runtime/engine/graph_moe.py): a graph cannot follow an expert from row to row, so
 before each MoE layer's graph the host copies the token's experts into the same rows, in ascending
-order, and the graph computes them there. With prefetch, `ahead` rows (top_k more, taken from the
-cache's room) receive the next MoE layer's guessed experts while the graph computes, and its
-misses that were guessed are then copied from there within the device. A hit is a copy within the device (by bandwidth, about
-2 µs for a 26B-A4B expert on an H200, 35 µs at a 4 GB card's 200 GB/s), a miss a copy over the link.
+order, and the graph computes them there. A hit is a copy within the device (by bandwidth, about
+2 µs for a 26B-A4B expert on an H200, 35 µs at a 4 GB card's 200 GB/s), a miss a copy over the
+link. With prefetch, `ahead` rows (top_k more, taken from the cache's room) receive the next MoE
+layer's guessed experts while the graph computes, and its misses that were guessed are then
+copied from there within the device.
 
 On a machine without a GPU the arena is off by default (the host stands in for the device, and a
 copy of a row would be the same memory twice); tests turn it on there to check its layout, slots

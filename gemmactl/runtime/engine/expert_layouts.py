@@ -29,7 +29,6 @@ from pathlib import Path
 ALIGN = 4096  # every tensor starts on a page of the file
 FORMAT = 1
 SPARE_BYTES = 1 << 30  # room left on the disk after the file
-TRIM_EVERY = 32  # experts made between two release_freed_memory() calls (cpu_kernels.py says why)
 
 
 def _aligned(n: int) -> int:
@@ -37,7 +36,7 @@ def _aligned(n: int) -> int:
 
 
 class ExpertLayouts:
-    """The mapped layouts of a store's experts: make() once, then open() and linears()."""
+    """The mapped layouts of a store's experts: make() once, then open() and linear()."""
 
     def __init__(self, artifact, records: dict):
         """records: {(layer, expert): (gate_up record, down record)} (ExpertStore.records)."""
@@ -90,7 +89,7 @@ class ExpertLayouts:
         progress: called with (bytes written, bytes in all) after each expert."""
         import torch
 
-        from gemmactl.runtime.engine.cpu_kernels import cpu_int4_layout, release_freed_memory
+        from gemmactl.runtime.engine.cpu_kernels import TRIM_EVERY, cpu_int4_layout, release_freed_memory
 
         folder, needed = self.data.parent, self.needed_bytes()
         try:

@@ -145,7 +145,6 @@ class ExpertCache:
                 "pinned": len(self.pinned)}
 
 
-TRIM_EVERY = 32  # experts made in the CPU kernel's layout between two release_freed_memory() calls
 
 
 @dataclass
@@ -236,7 +235,7 @@ class ExpertStore:
         """linears moved into a row where they run in the CPU int4 kernel (else as they are); every
         TRIM_EVERY experts made, the temporaries freed go back to the system
         (cpu_kernels.release_freed_memory says why)."""
-        from gemmactl.runtime.engine.cpu_kernels import release_freed_memory
+        from gemmactl.runtime.engine.cpu_kernels import TRIM_EVERY, release_freed_memory
 
         if not all(linear.kernel == "int4-cpu" for linear in linears) or all(linear.mapped for linear in linears):
             return linears  # not in the CPU kernel, or pages of the layout file already
