@@ -21,7 +21,9 @@ llama-bench with llama.cpp's own fitting (`--fit-target`: the device's memory le
 `--zipf S` skews the engine's routers on purpose (benchmarks/skewed_router.py: Zipf S over each
 layer's experts, synthetic), and `--runs policies` runs the engine once per expert cache policy and
 once with the cache off (hit rate, bytes over the link per token, decode and wall tok/s);
-`--runs prefetch` runs the engine again without prefetch (`--no-expert-prefetch`).
+`--runs prefetch` runs the engine again without prefetch (`--no-expert-prefetch`), and
+`--runs no-host` runs it again with no layer on the CPU (GEMMACTL_PLAN_HOST_LAYERS=off: the layers
+that do not fit all stream), beside the plan's own split between the link and the CPU.
 
     python benchmarks/engine_capped.py --artifact DIR --gguf FILE --hf-model DIR --bench llama-bench --out DIR
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -174,7 +177,7 @@ def main() -> None:
 
     recipe = args.out / "capped.yaml"
     write_recipe(recipe, args.artifact, args.gguf, cap_mib, args.context, args.tokens)
-    def run_tier(tier: str, name: str, *extra: str) -> dict:
+    def run_tier(tier: str, name: str, *extra: str, env: dict | None = None) -> dict:
         command = ["run", "--recipe", str(recipe), "--tier", tier, "--raw", "--json", "--max-tokens", str(args.tokens),
                    *extra, prompt]
         if tier == "engine" and args.zipf is not None:
@@ -182,7 +185,16 @@ def main() -> None:
                        "--", *command]
         else:
             command = gemmactl(*command)
-        data, peak, status = sampled_json(command, args.out / f"run-{name}.log")
+        saved = {key: os.environ.get(key) for key in env or {}}
+        os.environ.update(env or {})
+        try:
+            data, peak, status = sampled_json(command, args.out / f"run-{name}.log")
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         return {**run_row(data.get("stats", {}), peak, status), "engine": (data.get("model") or {}).get("engine"),
                 "notices": data.get("notices")}
 
@@ -191,6 +203,10 @@ def main() -> None:
             result[f"run_{tier}"] = run_tier(tier, tier)
         if tier == "engine" and "prefetch" in runs:  # beside the run with it (the default), in the same call
             result["run_engine_no_prefetch"] = run_tier("engine", "engine-no-prefetch", "--no-expert-prefetch")
+        if tier == "engine" and "no-host" in runs:  # every layer that does not fit streamed
+            from gemmactl.plan.engine_map import HOST_LAYERS_ENV
+
+            result["run_engine_no_host"] = run_tier("engine", "engine-no-host", env={HOST_LAYERS_ENV: "off"})
     if "policies" in runs:
         from gemmactl.runtime.engine.expert_settings import POLICIES
 
@@ -309,6 +325,10 @@ def table(r: dict) -> str:
     if plain:
         rows.insert(4, f"| engine, `run --no-expert-prefetch` | {fmt(plain['decode_tok_s'])} | {fmt(plain['wall_tok_s'])} | "
                        f"{fmt(plain['ttft_s'], '.3f')} | {plain['peak_mib']} | |")
+    streamed = r.get("run_engine_no_host")
+    if streamed:
+        rows.insert(4, f"| engine, `run`, no layer on the CPU | {fmt(streamed['decode_tok_s'])} | "
+                       f"{fmt(streamed['wall_tok_s'])} | {fmt(streamed['ttft_s'], '.3f')} | {streamed['peak_mib']} | |")
     best, fit = (r.get("n_cpu_moe_sweep") or {}).get("best"), r.get("llama_fit")
     if best:
         points = len(r["n_cpu_moe_sweep"]["points"])

@@ -123,6 +123,43 @@ def test_every_placement_decodes_the_same_tokens(artifacts, kind):
 
 
 @pytest.mark.parametrize("kind", ["e2b-tiny", "gemma3-tiny"])
+@pytest.mark.parametrize("layout", ["HRSH", "SHRS", "RRSS"])
+def test_a_step_cut_around_the_host_layers_decodes_as_the_whole_step(artifacts, kind, layout):
+    """The decode step in pieces (graph_host.py: the GPU stretches, each streamed layer beginning
+    its own, the host's layers between them), run eagerly with the CPU standing in for the device:
+    the tokens and logits of the whole step, layers on the host at the first and last place too."""
+    from gemmactl.runtime.engine.graph_host import HostPiecesDecode, pieces_of
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.engine.placement import EnginePlacement
+
+    artifact = artifacts(kind)
+    n = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64).spec.n_layers
+    kinds = {"R": "resident", "S": "streamed", "H": "host"}
+    placement = EnginePlacement(tuple(kinds[layout[i % len(layout)]] for i in range(n)), tables_on_host=True)
+    engine = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64, placement=placement)
+    expected, expected_logits = engine_greedy(engine, PROMPT, STEPS)
+    pieces = pieces_of(placement.layers)
+    assert [i for piece in pieces for i in piece.layers] == list(range(n))
+    assert all(piece.streamed is None or piece.streamed == piece.layers[0] for piece in pieces)
+    assert not pieces[-1].host
+    step = HostPiecesDecode(engine)
+    assert not step.captured
+    tokens, logits = engine_greedy(engine, PROMPT, STEPS, decoder=step)
+    assert tokens == expected
+    assert torch.equal(logits, expected_logits)
+
+
+def test_the_pieces_of_a_step():
+    from gemmactl.runtime.engine.graph_host import pieces_of
+
+    r, s, h = "resident", "streamed", "host"
+    cut = lambda kinds: [("H" if p.host else "G", p.layers, p.streamed) for p in pieces_of(kinds)]  # noqa: E731
+    assert cut((r, r, s, r, h, h, s, s)) == [("G", [0, 1], None), ("G", [2, 3], 2), ("H", [4, 5], None),
+                                             ("G", [6], 6), ("G", [7], 7)]
+    assert cut((h, r, h)) == [("H", [0], None), ("G", [1], None), ("H", [2], None), ("G", [], None)]
+
+
+@pytest.mark.parametrize("kind", ["e2b-tiny", "gemma3-tiny"])
 def test_attention_in_blocks_of_query_rows_equals_one_block(artifacts, kind, monkeypatch):
     """A prefill chunk's attention takes its query rows in blocks whose scores stay under a bound
     (spec.score_rows), so long contexts do not hold a chunk × context score matrix at once: here
@@ -233,7 +270,7 @@ def test_gpu_engine_with_its_captured_step_equals_transformers(artifacts, kind, 
     ("RRSS", False, "auto", False, True),   # streamed: captured, never fused (copies on another stream)
     ("RRSS", False, "on", False, True),
     ("RRRR", True, "auto", False, True),    # tables in host memory: rows gathered outside the graph
-    ("RRSH", False, "on", False, False),    # a layer on the host cannot be captured
+    ("RRSH", False, "on", False, False),    # a layer on the host cannot be captured whole (graph_host.py: in pieces)
     ("RRRR", False, "off", False, False),
 ])
 def test_what_is_compiled_and_captured_follows_the_placement(layers, tables_on_host, setting, compile_, capture,
@@ -272,6 +309,34 @@ def test_gpu_streamed_layers_are_captured_and_decode_like_eager(artifacts, kind,
     expected, expected_logits = engine_greedy(engine, PROMPT, STEPS)  # eager, bounded
     step = DecodeStep(engine)
     assert step.graph is not None and not step.compiled
+    tokens, logits = engine_greedy(engine, PROMPT, STEPS, decoder=step)
+    assert (logits - expected_logits).abs().max() <= 1e-3 * expected_logits.abs().max()
+    assert tokens == expected
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["e2b-tiny", "gemma3-tiny"])
+@pytest.mark.parametrize("layout", ["HRSH", "SHRS"])
+def test_gpu_a_step_captured_around_its_host_layers_decodes_like_eager(artifacts, kind, layout, monkeypatch):
+    """Layers on the host between resident and streamed ones: the step is captured in pieces (a
+    graph for each GPU stretch, the copies queued between replays, the host's layers eager), and
+    gives the eager step's tokens and logits, which it would not if a replay read a staging area
+    before its copy landed or the host read activations before they crossed."""
+    from gemmactl.runtime.engine.graph import DecodeStep
+    from gemmactl.runtime.engine.graph_host import HostPiecesDecode
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.engine.placement import EnginePlacement
+
+    monkeypatch.setenv("GEMMACTL_ENGINE_KERNEL", "dense")
+    monkeypatch.delenv("GEMMACTL_ENGINE_GRAPH", raising=False)
+    artifact = artifacts(kind)
+    n = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64).spec.n_layers
+    kinds = {"R": "resident", "S": "streamed", "H": "host"}
+    placement = EnginePlacement(tuple(kinds[layout[i % len(layout)]] for i in range(n)), tables_on_host=True)
+    engine = GemmaModel(artifact, device="cuda", dtype=torch.float32, context=64, placement=placement)
+    expected, expected_logits = engine_greedy(engine, PROMPT, STEPS)  # eager, bounded
+    step = DecodeStep(engine)
+    assert isinstance(step.graph, HostPiecesDecode) and step.graph.captured
     tokens, logits = engine_greedy(engine, PROMPT, STEPS, decoder=step)
     assert (logits - expected_logits).abs().max() <= 1e-3 * expected_logits.abs().max()
     assert tokens == expected

@@ -111,6 +111,54 @@ def test_resident_layers_are_spread_and_their_compute_hides_under_the_copies(art
     assert beside_the_copies(half) == pytest.approx(beside_the_copies(none), rel=1e-6)
 
 
+def test_the_cpu_runs_layers_beside_the_link_when_its_kernels_keep_up(artifact):
+    """Layers that do not fit are split between the link and the CPU, which work side by side:
+    with a CPU whose kernels read about as fast as the link copies, some go to the CPU, spread
+    among the streamed ones, and the step beats streaming them all; with a slow CPU none do. Only
+    a layer whose KV cache is its own and no other layer's goes there."""
+    from dataclasses import replace
+
+    from gemmactl.formats.int4.reader import read_index
+    from gemmactl.runtime.engine.spec import model_spec
+
+    minimum = whole(artifact).minimum_vram_bytes
+    # Latencies off and a slow link, so a tiny model's bytes decide as a real model's do.
+    base = replace(PROFILE, host_to_device=PROFILE.host_to_device / 1000, cpu_layer_latency_s=0.0,
+                   gpu_layer_latency_s=0.0)
+    slow = plan_engine(artifact, replace(base, cpu_kernel_bandwidth=base.host_to_device / 100), minimum, CONTEXT)
+    assert "host" not in slow.layers
+    paired = plan_engine(artifact, replace(base, cpu_kernel_bandwidth=base.host_to_device), minimum, CONTEXT)
+    assert "host" in paired.layers and "streamed" in paired.layers and paired.captured
+    assert paired.decode_tok_s > slow.decode_tok_s
+    assert paired.gpu_total <= minimum and paired.link_bytes_per_token < slow.link_bytes_per_token
+    index = read_index(artifact)
+    spec = model_spec(index["config"], {r["name"]: tuple(r.get("stack_shape") or r["shape"]) for r in index["tensors"]})
+    read_by_others = {layer.kv_from for layer in spec.layers if not layer.owns_kv}
+    for layer in spec.layers:
+        if paired.layers[layer.index] == "host":
+            assert layer.owns_kv and layer.index not in read_by_others
+
+
+def test_the_schedule_overlaps_the_copies_with_the_cpus_layers():
+    """_schedule_seconds plays the engine's step out: a streamed layer's copy crosses while the
+    CPU runs the layer before it, so alternating host and streamed layers take about the CPU's
+    time plus the first copy, not the sum."""
+    from gemmactl.plan.engine_map import HOST_CROSSING_S, LayerCost, _schedule_seconds
+
+    costs = [LayerCost(i, 100, 100, 0, False) for i in range(4)]
+    one = lambda c: c.device_bytes / 100  # noqa: E731 - one second a layer, to copy or on the CPU
+    none = lambda c: 0.0  # noqa: E731 - the GPU's compute, free here
+
+    def kinds(text):
+        return {i: {"s": "streamed", "h": "host", "r": "resident"}[k] for i, k in enumerate(text)}
+
+    assert _schedule_seconds(costs, kinds("ssss"), none, one, one) == pytest.approx(4.0)  # the link alone
+    assert _schedule_seconds(costs, kinds("hhhh"), none, one, one) == pytest.approx(4.0 + 2 * HOST_CROSSING_S)
+    assert _schedule_seconds(costs, kinds("shsh"), none, one, one) == pytest.approx(3.0 + 4 * HOST_CROSSING_S)
+    # Copies cross while the GPU computes: with a second a layer there, they are hidden whole.
+    assert _schedule_seconds(costs, kinds("rsrs"), one, one, one) == pytest.approx(4.0)
+
+
 def test_the_predicted_rate_counts_the_reads_of_the_kv_caches(artifact):
     """Each step reads every attention layer's cache (a sliding layer's window at most, a sharing
     layer its producer's): all of it in a captured step, as far as it is filled in an eager one."""
@@ -417,3 +465,15 @@ def test_a_plan_for_a_gpu_elsewhere_counts_int8_rows_as_its_cuda_install_holds_t
     monkeypatch.setattr(int8_gemv, "available", lambda device: False)
     monkeypatch.setenv(kernels.INT8_ENV, setting)
     assert kernels.linear_bytes("int8", (1000, 64), None, cuda=True) == expected
+
+
+def test_the_profile_measures_the_cpu_kernels_and_falls_back_to_the_copy_rate():
+    from dataclasses import replace
+
+    from gemmactl.plan.profile import _cpu_kernel_bandwidth
+    from gemmactl.runtime.engine.cpu_kernels import cpu_kernels_kept
+
+    rate = _cpu_kernel_bandwidth(repeats=2)
+    assert rate > 0 if cpu_kernels_kept(torch.bfloat16) else rate == 0.0
+    assert replace(PROFILE, cpu_kernel_bandwidth=0.0).host_kernel_bandwidth == PROFILE.cpu_bandwidth
+    assert PROFILE.host_kernel_bandwidth == PROFILE.cpu_kernel_bandwidth > 0

@@ -1,32 +1,34 @@
 """The engine's map: which layers of an int4-stream artifact stay on the GPU, stream, or run on the CPU.
 
 Sizes are the engine's own (runtime/engine/kernels.linear_bytes: int4 in tinygemm's layout, the
-rest bfloat16), read from the artifact's index. The GPU holds, in this order of need: the CUDA
-context (the profile's reserve), the head and the per-layer-input projection, every KV cache of
-a layer on the GPU (sliding layers their window), a working area for prefill chunks, then as many
-layers as fit. With layers left over, two staging areas of the largest streamed layer are kept
-too, and each leftover layer goes where its token costs less:
+rest bfloat16; on the host, as torch's CPU kernels hold them), read from the artifact's index.
+The GPU holds, in this order of need: the CUDA context (the profile's reserve), the head and the
+per-layer-input projection, every KV cache of a layer on the GPU (sliding layers their window),
+a working area for prefill chunks, then as many layers as fit. With layers left over, two
+staging areas of the largest streamed layer are kept too, and each leftover layer is either
 
 - streamed: its int4 bytes cross the host link (pinned copies on their own stream) while the GPU
-  computes the layers before it: bytes ÷ host_to_device on the link;
-- host: its bfloat16 weights are read by the CPU: dense bytes ÷ cpu_bandwidth + cpu latency,
-  plus two link latencies for the activations. A layer whose KV cache other layers share is
-  never put on the host (its cache would cross the link every token).
+  computes the layers before it, or
+- host: the CPU runs it in torch's int4/int8 kernels, reading its bytes at the profile's
+  host_kernel_bandwidth (plus cpu latency), the activations crossing the link both ways. Only a
+  layer whose KV cache is its own and read by no other layer (its cache stays on the host).
 
-The resident layers are spread between the streamed ones, so the copies run beside the GPU's
-compute (_step_seconds). Embedding tables go to host memory first when the whole does not fit:
-only the current tokens' rows cross the link. The predicted decode rate counts the longer of the
-copies and the GPU layers' reads (bytes ÷ gpu_bandwidth + gpu latency each), the CPU's layers,
-the head's read and the attention's reads of the KV caches: each layer reads the cache it
-attends to (its own, or the one it shares) at the bandwidth of the device holding it, a sliding
-layer's window at most. A step
-captured in a CUDA graph (no layer on the CPU) reads every slot of every cache, written or not, so
-its rate is the same at any position and `decode_tok_s` is it; an eager step (layers on the CPU)
-reads the slots written so far, and `decode_tok_s_at(position)` grows its reads with the
-conversation (`decode_tok_s` is then its rate with the caches full). For an E4B shape at 32K in
-bfloat16 the global layers read about 0.9 GB a step: little beside a 4 GB card's streamed layers,
-but milliseconds a token on a card of a few hundred GB/s, and a quantized KV mode reads half or
-less.
+The link and the CPU work side by side: while the CPU runs its layers, the next streamed layer's
+copy crosses. So the split is chosen by playing the engine's schedule out (_schedule_seconds) for
+every count of host layers, spread evenly among those that may (_split_leftover). The resident
+layers are spread between the streamed ones, so the copies run beside the GPU's compute. A dense
+model's step is captured in CUDA graphs, whole or in pieces around its host layers
+(runtime/engine/graph_host.py); an MoE model puts no layer on the host (its step would run
+eagerly). Embedding tables go to host memory first when the whole does not fit: only the current
+tokens' rows cross the link. The predicted decode rate adds the head's read and the attention's
+reads of the KV caches: each layer reads the cache it attends to (its own, or the one it shares)
+at the bandwidth of the device holding it, a sliding layer's window at most. A captured step
+reads every slot of every cache, written or not, so its rate is the same at any position and
+`decode_tok_s` is it; an eager step reads the slots written so far, and `decode_tok_s_at(position)`
+grows its reads with the conversation (`decode_tok_s` is then its rate with the caches full). For
+an E4B shape at 32K in bfloat16 the global layers read about 0.9 GB a step: little beside a 4 GB
+card's streamed layers, but milliseconds a token on a card of a few hundred GB/s, and a
+quantized KV mode reads half or less.
 
 MoE experts are not part of a layer's cost: they live in host memory (runtime/engine/experts.py),
 and whatever room the layers leave becomes the expert cache (whole experts, none past the count),
@@ -37,6 +39,7 @@ Experts are sized as the engine holds them: int4 in tinygemm's layout, columns p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +49,10 @@ from gemmactl.sizes import format_size
 
 CHUNK_TOKENS = 256  # the engine's prefill chunk (runtime/engine/backend.CHUNK)
 LINK_LATENCY_S = 10e-6  # one small host↔device copy
+# The activations crossing between the GPU and the CPU, each way: a small copy's latency, and the
+# host's wait for it (GPU → CPU) or the next graph's launch (CPU → GPU). An estimate.
+HOST_CROSSING_S = 30e-6
+HOST_LAYERS_ENV = "GEMMACTL_PLAN_HOST_LAYERS"  # auto (default) | off: no layer on the CPU (for comparisons)
 # A captured MoE step waits for the host at each MoE layer (graph_moe.PiecewiseDecode: the router's
 # choice read back, the cache looked up, the layer's copies queued, the next piece launched), and a
 # layer's misses start crossing only then. Fitted to the engine on an H200 (26B-A4B shape, 4 GiB,
@@ -64,9 +71,16 @@ EXPERT_SCRATCH_NOTE = ", the experts' scratch and staging rows"
 class LayerCost:
     index: int
     device_bytes: int  # weights in the GPU kernels' layout
-    dense_bytes: int  # weights in bfloat16 (what a host layer reads)
+    dense_bytes: int  # weights as the CPU holds them (what a host layer reads: int4/int8 in its kernels, else bfloat16)
     kv_bytes: int
     shared: bool  # other layers read its KV cache
+    borrows: bool = False  # it reads another layer's KV cache
+
+    @property
+    def may_run_on_host(self) -> bool:
+        """Whether the layer can run on the CPU: its KV cache is its own and no other layer reads
+        it (a cache read across the link would cross it every token)."""
+        return not self.shared and not self.borrows
 
 
 @dataclass
@@ -152,7 +166,7 @@ def _costs(index: dict, spec, context: int, kv_mode: str | None = None, spare_sl
             slots = _slots(spec, layer, context, spare_slots)  # K and V per slot and head, and its position
             kv = slots * layer.kv_heads * pair_bytes(kv_mode or "bf16", layer.head_dim) + slots * 8
         device_bytes, dense_bytes = layers[layer.index]
-        costs.append(LayerCost(layer.index, device_bytes, dense_bytes, kv, layer.index in readers))
+        costs.append(LayerCost(layer.index, device_bytes, dense_bytes, kv, layer.index in readers, not layer.owns_kv))
     tables["experts"] = experts
     return costs, globals_, tables
 
@@ -285,7 +299,10 @@ def plan_engine(artifact: Path, profile, vram_bytes: int, context: int, kv_mode:
     chosen = _plan(index, spec, profile, vram_bytes, context, kv_mode, spare_slots, reserved)
     chosen.kv_mode, chosen.context = kv_mode or "bf16", context
     chosen.kv_reads = _kv_reads(spec, chosen.layers, profile, context, kv_mode, spare_slots)
-    chosen.captured, chosen.empty_tok_s = "host" not in chosen.layers, chosen.decode_tok_s
+    # Captured: whole, or in pieces around the host layers (a dense model); an MoE model with
+    # layers on the host runs eagerly. The host layers' reads are counted at the full context too.
+    chosen.captured = "host" not in chosen.layers or not chosen.experts
+    chosen.empty_tok_s = chosen.decode_tok_s
     chosen.decode_tok_s = _with_reads(chosen.empty_tok_s, chosen.kv_reads, context)
     return chosen
 
@@ -350,8 +367,16 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
     def streamed_time(c: LayerCost) -> float:
         return max(c.device_bytes / link, c.device_bytes / gpu_bw) + profile.gpu_layer_latency_s
 
+    host_bw = profile.host_kernel_bandwidth
+    # A dense model's step is captured around its host layers (runtime/engine/graph_host.py); an
+    # MoE model's would run eagerly whole, its GPU layers' launches unpaid here: none go to the host.
+    hosting = not experts and os.environ.get(HOST_LAYERS_ENV, "auto").lower() not in ("off", "0", "false")
+
     def host_time(c: LayerCost) -> float:
-        return c.dense_bytes / cpu_bw + profile.cpu_layer_latency_s + 2 * LINK_LATENCY_S
+        return c.dense_bytes / host_bw + profile.cpu_layer_latency_s
+
+    def may_host(c: LayerCost) -> bool:
+        return hosting and c.may_run_on_host
 
     head_time = globals_["head"] / gpu_bw
     largest = max(c.device_bytes for c in costs)
@@ -384,9 +409,9 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
     room = vram_bytes - sum(fixed.values()) - kv_all - 2 * largest
     # Layers whose GPU residence saves the most time per byte go first. Streamed layers all save
     # the same (a byte less over the link), so the resident ones among equals are spread evenly
-    # through the model (_spread), never bunched: see _step_seconds.
+    # through the model (_spread), never bunched: see _schedule_seconds.
     def gain(c: LayerCost) -> float:  # to 4 digits, so equals stay equal through rounding
-        away = min(streamed_time(c), host_time(c) if not c.shared else float("inf"))
+        away = min(streamed_time(c), host_time(c) if may_host(c) else float("inf"))
         return float(f"{(away - resident_time(c)) / max(c.device_bytes, 1):.4g}")
 
     kinds = {}
@@ -396,17 +421,19 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
             if c.device_bytes <= room:
                 kinds[c.index] = "resident"
                 room -= c.device_bytes
-    for c in costs:
-        if c.index not in kinds:
-            kinds[c.index] = "host" if not c.shared and host_time(c) < streamed_time(c) else "streamed"
+
+    def gpu_time(c: LayerCost) -> float:
+        return c.device_bytes / gpu_bw + profile.gpu_layer_latency_s
+
+    def step(layers: dict) -> float:
+        return _schedule_seconds(costs, layers, gpu_time, lambda c: c.device_bytes / link, host_time)
+
+    kinds = _split_leftover(costs, kinds, may_host, step)
     streamed = [c for c in costs if kinds[c.index] == "streamed"]
     staging = 2 * max((c.device_bytes for c in streamed), default=0)
     host_kv = sum(c.kv_bytes for c in costs if kinds[c.index] == "host")
     layers = tuple(kinds[c.index] for c in costs)
-    seconds = head_time + _step_seconds(
-        link=sum(c.device_bytes / link for c in streamed),
-        gpu=sum(resident_time(c) for c in costs if kinds[c.index] != "host"),
-        host=sum(host_time(c) for c in costs if kinds[c.index] == "host"))
+    seconds = head_time + step(kinds)
     crossings = sum(1 for a, b in zip(("resident",) + layers, layers + ("resident",)) if (a == "host") != (b == "host"))
     link_bytes = sum(c.device_bytes for c in streamed) + _row_bytes(index) + crossings * spec.hidden * 2
     gpu = {**fixed, "kv": kv_all - host_kv, "tables": 0,
@@ -444,18 +471,66 @@ def _spread(layers: list, room: int) -> list:
     return chosen
 
 
-def _step_seconds(link: float, gpu: float, host: float) -> float:
-    """A decode step's time for its layers: the streamed layers' copies run on their own stream
-    beside the GPU's compute of every GPU layer (resident and streamed), so whichever is longer
-    bounds the step; layers on the CPU add their time (the GPU waits for them).
+def _split_leftover(costs: list, kinds: dict, may_host, step) -> dict:
+    """kinds with every layer not resident streamed or on the host, as the step is fastest: for
+    each count of host layers (none up to every one that may run there), that many spread evenly
+    among those that may, the rest streamed; step(kinds) prices each. The link and the CPU work
+    side by side (_schedule_seconds), so the best split is rarely all of one."""
+    leftover = [c for c in costs if c.index not in kinds]
+    candidates = [c for c in leftover if may_host(c)]
+    best = None
+    for count in range(len(candidates) + 1):
+        hosted = {candidates[int((i + 0.5) * len(candidates) / count)].index for i in range(count)} if count else set()
+        trial = {**kinds, **{c.index: "host" if c.index in hosted else "streamed" for c in leftover}}
+        seconds = step(trial)
+        if best is None or seconds < best[0] * (1 - 1e-9):
+            best = (seconds, trial)
+    return best[1] if best is not None else kinds
 
-    The overlap needs resident layers between the streamed ones: with two staging areas a copy
-    waits for the layer two streamed layers back to finish, so a run of resident layers hides
-    at most two copies. The first plans kept the lower layers resident and streamed the rest, and
-    the step was the resident layers' compute plus the copies (an E4B shape at a 3,136 MiB cap on
-    an H200: 30.9 ms against 25.9 for the copies alone); the map now spreads them (_spread).
-    """
-    return max(link, gpu) + host
+
+def _schedule_seconds(costs: list, kinds: dict, gpu_time, copy_time, host_time) -> float:
+    """A decode step's time for its layers, the engine's schedule played out (graph.py,
+    graph_host.py, streaming.py): the GPU and the CPU compute in layer order, each waiting for the
+    other at a crossing (HOST_CROSSING_S each way); the streamed layers' copies run on their own
+    stream in order, two staging areas: a copy starts once the layer two streamed layers back
+    has run (its area is free) and, after a stretch of host layers, once the host has queued it
+    (it queues the next copy when it reaches a streamed layer, and it waits during its own
+    layers); a streamed layer runs once its copy has landed.
+
+    So copies run beside the GPU's compute and beside the CPU's layers. (The first plans kept the
+    lower layers resident and streamed the rest, and an E4B shape at a 3,136 MiB cap on an H200
+    took 30.9 ms a step against 25.9 for the copies alone; the map now spreads them, _spread.)"""
+    order = [c for c in costs if kinds[c.index] == "streamed"]
+    landed: dict[int, float] = {}
+    link_free, area_free = 0.0, [0.0, 0.0]
+
+    def queue(p: int, at: float) -> None:
+        nonlocal link_free
+        link_free = max(at, link_free, area_free[p % 2]) + copy_time(order[p])
+        landed[p] = link_free
+
+    if order:
+        queue(0, 0.0)
+    t, p, on_host, host_free = 0.0, 0, False, 0.0
+    for c in costs:
+        kind = kinds[c.index]
+        if (kind == "host") != on_host:
+            on_host = kind == "host"
+            t += HOST_CROSSING_S
+            if not on_host:
+                host_free = t  # the host is free to queue copies again
+        if kind == "host":
+            t += host_time(c)
+        elif kind == "streamed":
+            t = max(t, landed[p])
+            if p + 1 < len(order):
+                queue(p + 1, host_free)
+            t += gpu_time(c)
+            area_free[p % 2] = t
+            p += 1
+        else:
+            t += gpu_time(c)
+    return t + (HOST_CROSSING_S if on_host else 0.0)
 
 
 def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, top_k: int) -> EngineMap:
@@ -493,7 +568,8 @@ def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, to
 def cpu_decode_tok_s(artifact: Path, profile, context: int, kv_mode: str | None = None, position: int = 0) -> float:
     """The engine's predicted decode rate with every layer and the head on the CPU (a machine
     without a GPU): each layer costs as a host layer of the map does, without the link; the head
-    and the per-layer-input projection are read dense too; the cache filled to position tokens."""
+    and the per-layer-input projection are read as the CPU holds them too, at the rate its kernels
+    reach (profile.host_kernel_bandwidth); the cache filled to position tokens."""
     from gemmactl.runtime.engine.kernels import linear_bytes
 
     index, spec = _index_and_spec(artifact)
@@ -506,9 +582,10 @@ def cpu_decode_tok_s(artifact: Path, profile, context: int, kv_mode: str | None 
             and not name.endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight", "lm_head.weight"))
         if head or projection:
             dense_globals += linear_bytes(record["scheme"], shape, record.get("group_size"), cuda=False)
-    seconds = sum(c.dense_bytes / profile.cpu_bandwidth + profile.cpu_layer_latency_s for c in costs)
+    rate = profile.host_kernel_bandwidth
+    seconds = sum(c.dense_bytes / rate + profile.cpu_layer_latency_s for c in costs)
     reads = _kv_reads(spec, ("host",) * len(spec.layers), profile, context, kv_mode)
-    return _with_reads(1.0 / (seconds + dense_globals / profile.cpu_bandwidth), reads, position)
+    return _with_reads(1.0 / (seconds + dense_globals / rate), reads, position)
 
 
 def _row_bytes(index: dict) -> int:

@@ -28,7 +28,7 @@ CACHE_NAME = "machine-profile.json"
 # fresh context once loaded and captured (benchmarks/engine_memory.py), the profile's cuBLAS
 # matmul accounting for part of it.
 RESERVE_MARGIN_BYTES = 128 << 20
-CACHE_VERSION = 2  # 2: the GPU reserve is this machine's measured CUDA context
+CACHE_VERSION = 3  # 2: the GPU reserve is this machine's measured CUDA context; 3: the CPU kernels' rate
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,15 @@ class HardwareProfile:
     cpu_layer_latency_s: float
     gpu_reserve_bytes: int  # CUDA context and runtime, outside any buffer llama.cpp reports
     unified_memory: bool = False  # VRAM and RAM are one pool (GB10-class)
+    # bytes/s the engine's CPU int4/int8 kernels read a layer's weights at, all cores (0: not
+    # measured; the engine's host layers are then priced at cpu_bandwidth). They are bound by their
+    # arithmetic before the memory: a quarter of the copy bandwidth on a 2-core AVX-512 host.
+    cpu_kernel_bandwidth: float = 0.0
+
+    @property
+    def host_kernel_bandwidth(self) -> float:
+        """What the engine's CPU kernels read weights at: measured, else the memory's copy rate."""
+        return self.cpu_kernel_bandwidth or self.cpu_bandwidth
 
     @property
     def has_gpu(self) -> bool:
@@ -148,6 +157,41 @@ def _cpu_bandwidth(size: int = 256 << 20, repeats: int = 4) -> float:
     return 2 * size * repeats / elapsed
 
 
+def _cpu_kernel_bandwidth(repeats: int = 20) -> float:
+    """Bytes/s of the engine's CPU kernels over an E4B-sized MLP pair: a 10,240×2,560 int4 matrix
+    (groups of 32) and a 2,560×10,240 int8 one, one token each, as a decode step runs them
+    (runtime/engine/cpu_kernels.py); 0.0 where the engine keeps dense weights on this CPU."""
+    try:
+        import torch
+
+        from gemmactl.runtime.engine.cpu_kernels import cpu_kernels_kept
+    except ImportError:
+        return 0.0
+    if not cpu_kernels_kept(torch.bfloat16):
+        return 0.0
+    rows, columns, group = 10240, 2560, 32
+    codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (rows, columns), dtype=torch.int32), 1)
+    scales_zeros = torch.full((columns // group, rows, 2), 0.01, dtype=torch.bfloat16)
+    int8 = torch.randint(-127, 128, (columns, rows), dtype=torch.int8)
+    int8_scales = torch.full((columns,), 0.01, dtype=torch.bfloat16)
+    x4, x8 = torch.randn(1, columns, dtype=torch.bfloat16), torch.randn(1, rows, dtype=torch.bfloat16)
+
+    def once() -> None:
+        torch.ops.aten._weight_int4pack_mm_for_cpu(x4, codes, group, scales_zeros)
+        torch.ops.aten._weight_int8pack_mm(x8, int8, int8_scales)
+
+    with torch.inference_mode():
+        for _ in range(3):
+            once()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            once()
+        elapsed = time.perf_counter() - start
+    nbytes = codes.numel() * codes.element_size() + scales_zeros.numel() * 2 + int8.numel() + int8_scales.numel() * 2
+    return nbytes * repeats / elapsed
+
+
 def _cpu_flops(n: int = 1024, repeats: int = 3) -> float:
     import numpy as np
 
@@ -223,11 +267,12 @@ def measure_profile(machine: Machine) -> HardwareProfile:
         base,
         name="this-machine",
         description=f"{machine.cpu_model}, {machine.cpu_cores} cores" + (f", {gpu.name}" if gpu else ""),
-        source=f"measured: CPU copy bandwidth and matmul with numpy; {gpu_source}",
+        source=f"measured: CPU copy bandwidth and matmul with numpy, the engine's CPU kernels with torch; {gpu_source}",
         gpu_name=gpu.name if gpu else None,
         vram_bytes=gpu.memory_bytes if gpu else 0,
         ram_bytes=machine.ram_bytes,
         cpu_bandwidth=_cpu_bandwidth(),
+        cpu_kernel_bandwidth=_cpu_kernel_bandwidth(),
         cpu_flops=_cpu_flops(),
         **numbers,
     )

@@ -53,9 +53,19 @@ def moe_pieces_wanted(model) -> bool:
             and model.experts.store.arena is not None)
 
 
+def host_pieces_wanted(model) -> bool:
+    """Whether to capture a dense model's step in pieces around its layers on the host
+    (graph_host.py): on CUDA unless GRAPH_ENV is off."""
+    from gemmactl.runtime.engine.graph_host import cut_around_host
+
+    return (cut_around_host(model) and model.device.type == "cuda"
+            and os.environ.get(GRAPH_ENV, "auto").lower() not in ("off", "0", "false"))
+
+
 def wanted(env: str, model) -> bool:
-    """Whether to compile / capture: on CUDA by default. Never for a model that runs layers on the
-    host (host compute cannot be captured), nor whole for MoE experts (which experts a step runs,
+    """Whether to compile / capture: on CUDA by default. Never whole for a model that runs layers on
+    the host (host compute cannot be captured: host_pieces_wanted says when the stretches between
+    are), nor for MoE experts (which experts a step runs,
     and whether they are cached, is decided on the host; moe_pieces_wanted says when the pieces
     between are captured). Streamed layers or tables in host memory:
     captured, never fused (the copies run on their own stream)."""
@@ -91,6 +101,10 @@ class DecodeStep:
         self._step = step
         if wanted(GRAPH_ENV, model):
             self._capture()
+        elif host_pieces_wanted(model):
+            from gemmactl.runtime.engine.graph_host import HostPiecesDecode
+
+            self.graph = HostPiecesDecode(model)  # graphs between the layers on the host
         elif moe_table_wanted(model):
             from gemmactl.runtime.engine.graph_moe import TableDecode
 

@@ -329,14 +329,8 @@ class GemmaModel:
         """experts_of: called with each MoE layer's `ExpertCall` (the experts' input and the router's
         choice), returns the experts' sum; by default the layer's block computes it. A captured
         step ends one CUDA graph and begins the next there (runtime/engine/graph_moe.py)."""
-        spec = self.spec
         # Positions, rope rows and per-layer inputs on each device a layer runs on.
-        here = {}
-        for dev in self.devices:
-            at = positions.to(dev)
-            here[dev] = (at, {kind: rope_rows(at, inv_freq, scaling, self.dtype)
-                              for kind, (inv_freq, scaling) in self.rope[dev].items()},
-                         per_layer_inputs.to(dev) if per_layer_inputs is not None else None)
+        here = {dev: self.inputs_on(dev, positions, per_layer_inputs) for dev in self.devices}
         if self.streamer is not None:
             self.streamer.begin()
         for layer in self.layers:
@@ -345,36 +339,53 @@ class GemmaModel:
             if where == STREAMED:
                 layer = self.staged_layers[s.index][self.streamer.fetch(s.index)]
             dev = self.host if where == HOST else self.device
-            x = x.to(dev)
-            at, rope, inputs = here[dev]
-            residual = x
-            h = rms_norm(x, layer.norms["input"], spec.eps)
-            h = self._attention(layer, h, at, rope[s.kind], end, rows_as_decode)
-            x = residual + rms_norm(h, layer.norms["post_attention"], spec.eps)
-            residual = x
-            h = layer.feed_forward(rms_norm(x, layer.norms["pre_feedforward"], spec.eps))
-            if layer.moe is not None:  # Gemma 4 MoE: the experts' sum beside the dense MLP's
-                weights, chosen = layer.moe.route(x)
-                call = ExpertCall(layer.moe, rms_norm(x, layer.norms["pre_feedforward_layernorm_2"], spec.eps), x,
-                                  weights, chosen)
-                experts = experts_of(call) if experts_of is not None else call.run()
-                h = (rms_norm(h, layer.norms["post_feedforward_layernorm_1"], spec.eps)
-                     + rms_norm(experts, layer.norms["post_feedforward_layernorm_2"], spec.eps))
-            x = residual + rms_norm(h, layer.norms["post_feedforward"], spec.eps)
-            if layer.per_layer is not None:
-                residual = x
-                g = F.gelu(layer.per_layer["gate"](x), approximate="tanh") * inputs[:, s.index, :]
-                x = residual + rms_norm(layer.per_layer["projection"](g), layer.norms["post_per_layer_input"], spec.eps)
-            if layer.layer_scalar is not None:
-                x = x * layer.layer_scalar
+            x = self.layer_forward(layer, x.to(dev), *here[dev], end, rows_as_decode, experts_of)
             if where == STREAMED:
                 self.streamer.release(s.index)
+        return self.logits_of(x, all_logits)
+
+    def inputs_on(self, dev, positions: torch.Tensor, per_layer_inputs: torch.Tensor | None) -> tuple:
+        """(positions, rope rows by layer kind, per-layer inputs) on dev, as layer_forward takes them."""
+        at = positions.to(dev)
+        rope = {kind: rope_rows(at, inv_freq, scaling, self.dtype) for kind, (inv_freq, scaling) in self.rope[dev].items()}
+        return at, rope, per_layer_inputs.to(dev) if per_layer_inputs is not None else None
+
+    def logits_of(self, x: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """The head over the last row of x (every row with all_logits), soft-capped, in float32."""
+        spec = self.spec
         x = rms_norm((x if all_logits else x[-1:]).to(self.device), self.final_norm, spec.eps)  # [1, H]: the last token's
         logits = self.head(x)  # [1 or T, V]
         logits = logits if all_logits else logits[0]
         if spec.final_softcap:
             logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
         return logits.float()
+
+    def layer_forward(self, layer: Layer, x: torch.Tensor, at: torch.Tensor, rope: dict, inputs, end: int | None = None,
+                      rows_as_decode: bool = False, experts_of=None) -> torch.Tensor:
+        """One decoder layer over x [T, H] on the device x and its weights are on (inputs_on's
+        positions, rope rows and per-layer inputs there)."""
+        spec, s = self.spec, layer.spec
+        residual = x
+        h = rms_norm(x, layer.norms["input"], spec.eps)
+        h = self._attention(layer, h, at, rope[s.kind], end, rows_as_decode)
+        x = residual + rms_norm(h, layer.norms["post_attention"], spec.eps)
+        residual = x
+        h = layer.feed_forward(rms_norm(x, layer.norms["pre_feedforward"], spec.eps))
+        if layer.moe is not None:  # Gemma 4 MoE: the experts' sum beside the dense MLP's
+            weights, chosen = layer.moe.route(x)
+            call = ExpertCall(layer.moe, rms_norm(x, layer.norms["pre_feedforward_layernorm_2"], spec.eps), x,
+                              weights, chosen)
+            experts = experts_of(call) if experts_of is not None else call.run()
+            h = (rms_norm(h, layer.norms["post_feedforward_layernorm_1"], spec.eps)
+                 + rms_norm(experts, layer.norms["post_feedforward_layernorm_2"], spec.eps))
+        x = residual + rms_norm(h, layer.norms["post_feedforward"], spec.eps)
+        if layer.per_layer is not None:
+            residual = x
+            g = F.gelu(layer.per_layer["gate"](x), approximate="tanh") * inputs[:, s.index, :]
+            x = residual + rms_norm(layer.per_layer["projection"](g), layer.norms["post_per_layer_input"], spec.eps)
+        if layer.layer_scalar is not None:
+            x = x * layer.layer_scalar
+        return x
 
     def _attention(self, layer: Layer, h: torch.Tensor, positions: torch.Tensor, rope, end: int | None,
                    rows_as_decode: bool = False) -> torch.Tensor:

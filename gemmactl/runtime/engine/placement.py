@@ -5,8 +5,9 @@ A layer is one of:
 - streamed: its weights (in the device kernel's layout) live in pinned host memory and are
   copied into one of two staging areas on the device just before it runs; the copy of the next
   streamed layer overlaps the compute of this one (a side CUDA stream and events);
-- host: it runs on the CPU (weights dequantized there, its KV cache there), the activations
-  crossing the link twice.
+- host: it runs on the CPU (in torch's CPU int4/int8 kernels where the CPU has them, its KV cache
+  there), the activations crossing the link twice; a captured step is cut around it
+  (engine/graph_host.py).
 
 Token and per-layer embedding tables may stay in host memory: only the rows of the current
 tokens cross the link. engine/streaming.py moves the streamed layers. MoE experts always live in
