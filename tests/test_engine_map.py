@@ -93,7 +93,7 @@ def test_resident_layers_are_spread_and_their_compute_hides_under_the_copies(art
     is the same whether none or half the layers are resident."""
     from dataclasses import replace
 
-    slow = replace(PROFILE, host_to_device=PROFILE.host_to_device / 1000, cpu_layer_latency_s=1.0)  # no layer on the CPU
+    slow = replace(PROFILE, host_to_device=PROFILE.host_to_device / 1000, cpu_op_latency_s=1.0)  # no layer on the CPU
     low, top = whole(artifact).minimum_vram_bytes, whole(artifact).gpu_total
     rows = plan_engine(artifact, slow, top - whole(artifact).gpu_bytes["tables"], CONTEXT).link_bytes_per_token
     none = plan_engine(artifact, slow, low, CONTEXT)
@@ -123,7 +123,7 @@ def test_the_cpu_runs_layers_beside_the_link_when_its_kernels_keep_up(artifact):
 
     minimum = whole(artifact).minimum_vram_bytes
     # Latencies off and a slow link, so a tiny model's bytes decide as a real model's do.
-    base = replace(PROFILE, host_to_device=PROFILE.host_to_device / 1000, cpu_layer_latency_s=0.0,
+    base = replace(PROFILE, host_to_device=PROFILE.host_to_device / 1000, cpu_op_latency_s=1e-15,
                    gpu_layer_latency_s=0.0)
     slow = plan_engine(artifact, replace(base, cpu_kernel_bandwidth=base.host_to_device / 100), minimum, CONTEXT)
     assert "host" not in slow.layers
@@ -477,3 +477,7 @@ def test_the_profile_measures_the_cpu_kernels_and_falls_back_to_the_copy_rate():
     assert rate > 0 if cpu_kernels_kept(torch.bfloat16) else rate == 0.0
     assert replace(PROFILE, cpu_kernel_bandwidth=0.0).host_kernel_bandwidth == PROFILE.cpu_bandwidth
     assert PROFILE.host_kernel_bandwidth == PROFILE.cpu_kernel_bandwidth > 0
+    from gemmactl.plan.profile import DEFAULT_CPU_OP_S, ENGINE_LAYER_OPS, _cpu_op_latency
+
+    assert 0 < _cpu_op_latency(repeats=50) < 1e-3
+    assert PROFILE.engine_host_layer_s == ENGINE_LAYER_OPS * DEFAULT_CPU_OP_S  # a shipped profile: the default

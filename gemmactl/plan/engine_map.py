@@ -10,7 +10,7 @@ staging areas of the largest streamed layer are kept too, and each leftover laye
 - streamed: its int4 bytes cross the host link (pinned copies on their own stream) while the GPU
   computes the layers before it, or
 - host: the CPU runs it in torch's int4/int8 kernels, reading its bytes at the profile's
-  host_kernel_bandwidth (plus cpu latency), the activations crossing the link both ways. Only a
+  host_kernel_bandwidth, plus its eager operations' dispatch (profile.engine_host_layer_s), the activations crossing the link both ways. Only a
   layer whose KV cache is its own and read by no other layer (its cache stays on the host).
 
 The link and the CPU work side by side: while the CPU runs its layers, the next streamed layer's
@@ -373,7 +373,7 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
     hosting = not experts and os.environ.get(HOST_LAYERS_ENV, "auto").lower() not in ("off", "0", "false")
 
     def host_time(c: LayerCost) -> float:
-        return c.dense_bytes / host_bw + profile.cpu_layer_latency_s
+        return c.dense_bytes / host_bw + profile.engine_host_layer_s
 
     def may_host(c: LayerCost) -> bool:
         return hosting and c.may_run_on_host
@@ -583,7 +583,7 @@ def cpu_decode_tok_s(artifact: Path, profile, context: int, kv_mode: str | None 
         if head or projection:
             dense_globals += linear_bytes(record["scheme"], shape, record.get("group_size"), cuda=False)
     rate = profile.host_kernel_bandwidth
-    seconds = sum(c.dense_bytes / rate + profile.cpu_layer_latency_s for c in costs)
+    seconds = sum(c.dense_bytes / rate + profile.engine_host_layer_s for c in costs)
     reads = _kv_reads(spec, ("host",) * len(spec.layers), profile, context, kv_mode)
     return _with_reads(1.0 / (seconds + dense_globals / rate), reads, position)
 

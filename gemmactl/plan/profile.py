@@ -28,6 +28,10 @@ CACHE_NAME = "machine-profile.json"
 # fresh context once loaded and captured (benchmarks/engine_memory.py), the profile's cuBLAS
 # matmul accounting for part of it.
 RESERVE_MARGIN_BYTES = 128 << 20
+# An engine layer on the CPU runs about this many operations' worth of dispatch: a Gemma 4 layer of
+# tiny matrices took 406–441 µs on a 2-core AVX-512 host where one small operation took 1.9 µs.
+ENGINE_LAYER_OPS = 220
+DEFAULT_CPU_OP_S = 2e-6
 CACHE_VERSION = 3  # 2: the GPU reserve is this machine's measured CUDA context; 3: the CPU kernels' rate
 
 
@@ -52,11 +56,21 @@ class HardwareProfile:
     # measured; the engine's host layers are then priced at cpu_bandwidth). They are bound by their
     # arithmetic before the memory: a quarter of the copy bandwidth on a 2-core AVX-512 host.
     cpu_kernel_bandwidth: float = 0.0
+    # seconds torch takes to run one small operation on the CPU (dispatch, no arithmetic to speak
+    # of): what an engine layer on the host pays per operation beyond its kernels' reads (0: not
+    # measured, DEFAULT_CPU_OP_S stands in).
+    cpu_op_latency_s: float = 0.0
 
     @property
     def host_kernel_bandwidth(self) -> float:
         """What the engine's CPU kernels read weights at: measured, else the memory's copy rate."""
         return self.cpu_kernel_bandwidth or self.cpu_bandwidth
+
+    @property
+    def engine_host_layer_s(self) -> float:
+        """What one engine layer on the host costs beyond its weights' reads: its eager operations
+        (ENGINE_LAYER_OPS of them at the measured latency of one)."""
+        return ENGINE_LAYER_OPS * (self.cpu_op_latency_s or DEFAULT_CPU_OP_S)
 
     @property
     def has_gpu(self) -> bool:
@@ -157,10 +171,12 @@ def _cpu_bandwidth(size: int = 256 << 20, repeats: int = 4) -> float:
     return 2 * size * repeats / elapsed
 
 
-def _cpu_kernel_bandwidth(repeats: int = 20) -> float:
-    """Bytes/s of the engine's CPU kernels over an E4B-sized MLP pair: a 10,240×2,560 int4 matrix
+def _cpu_kernel_bandwidth(copies: int = 6, repeats: int = 5) -> float:
+    """Bytes/s of the engine's CPU kernels over E4B-sized MLP pairs: a 10,240×2,560 int4 matrix
     (groups of 32) and a 2,560×10,240 int8 one, one token each, as a decode step runs them
-    (runtime/engine/cpu_kernels.py); 0.0 where the engine keeps dense weights on this CPU."""
+    (runtime/engine/cpu_kernels.py); 0.0 where the engine keeps dense weights on this CPU. copies
+    distinct pairs (255 MB at 6), so the caches do not serve them: one pair, repeated, read
+    22.7 GB/s on a 2-core AVX-512 host where an E4B step's kernels ran at 14–17."""
     try:
         import torch
 
@@ -175,21 +191,39 @@ def _cpu_kernel_bandwidth(repeats: int = 20) -> float:
     scales_zeros = torch.full((columns // group, rows, 2), 0.01, dtype=torch.bfloat16)
     int8 = torch.randint(-127, 128, (columns, rows), dtype=torch.int8)
     int8_scales = torch.full((columns,), 0.01, dtype=torch.bfloat16)
+    pairs = [(codes.clone(), scales_zeros.clone(), int8.clone(), int8_scales.clone()) for _ in range(copies)]
     x4, x8 = torch.randn(1, columns, dtype=torch.bfloat16), torch.randn(1, rows, dtype=torch.bfloat16)
 
     def once() -> None:
-        torch.ops.aten._weight_int4pack_mm_for_cpu(x4, codes, group, scales_zeros)
-        torch.ops.aten._weight_int8pack_mm(x8, int8, int8_scales)
+        for packed, sz, weights, scales in pairs:
+            torch.ops.aten._weight_int4pack_mm_for_cpu(x4, packed, group, sz)
+            torch.ops.aten._weight_int8pack_mm(x8, weights, scales)
 
     with torch.inference_mode():
-        for _ in range(3):
-            once()
+        once()
         start = time.perf_counter()
         for _ in range(repeats):
             once()
         elapsed = time.perf_counter() - start
     nbytes = codes.numel() * codes.element_size() + scales_zeros.numel() * 2 + int8.numel() + int8_scales.numel() * 2
-    return nbytes * repeats / elapsed
+    return copies * nbytes * repeats / elapsed
+
+
+def _cpu_op_latency(repeats: int = 2000) -> float:
+    """Seconds torch takes for one small CPU operation (a product of 64 bfloat16 values), or 0.0
+    without torch."""
+    try:
+        import torch
+    except ImportError:
+        return 0.0
+    a = torch.ones(1, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for _ in range(100):
+            a * a
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a * a
+        return (time.perf_counter() - start) / repeats
 
 
 def _cpu_flops(n: int = 1024, repeats: int = 3) -> float:
@@ -273,6 +307,7 @@ def measure_profile(machine: Machine) -> HardwareProfile:
         ram_bytes=machine.ram_bytes,
         cpu_bandwidth=_cpu_bandwidth(),
         cpu_kernel_bandwidth=_cpu_kernel_bandwidth(),
+        cpu_op_latency_s=_cpu_op_latency(),
         cpu_flops=_cpu_flops(),
         **numbers,
     )
