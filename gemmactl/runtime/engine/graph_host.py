@@ -112,10 +112,10 @@ class HostPiecesDecode:
 
     def _build(self) -> None:
         model = self.model
-        if self.captured:
+        if self.captured and self.cuda:
             # Warm up (cuBLAS handles, kernels, the allocator), eagerly: the whole step as forward runs it.
             warm_up(lambda: model.forward(self.x, self.per_layer, self.position, end=1), 2)
-            pool = torch.cuda.graph_pool_handle()
+            self.pool = torch.cuda.graph_pool_handle()
         x = self.x
         with torch.inference_mode():
             for number, piece in enumerate(self.pieces):
@@ -126,15 +126,22 @@ class HostPiecesDecode:
                     continue
                 body = self._gpu_body(piece, last=number == len(self.pieces) - 1)
                 if self.captured:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        x = body(x)
-                    self.bodies.append(graph)
+                    x = self._capture(body, x)
                 else:
                     self.bodies.append(body)
             if self.captured:
                 self.logits = x  # the last graph's output: [V]
         model.reset()  # the warm-up and capture wrote position 0 of the caches
+
+    def _capture(self, body, x: torch.Tensor) -> torch.Tensor:
+        """body over x captured in a CUDA graph (kept in bodies); returns its static output. The
+        graphs share one memory pool: each reads the one before it's output, and they are replayed
+        in the order they were captured, as torch requires for sharing."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = body(x)
+        self.bodies.append(graph)
+        return out
 
     # -- a step ----------------------------------------------------------------------------------
 
