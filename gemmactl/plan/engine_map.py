@@ -10,8 +10,9 @@ staging areas of the largest streamed layer are kept too, and each leftover laye
 - streamed: its int4 bytes cross the host link (pinned copies on their own stream) while the GPU
   computes the layers before it, or
 - host: the CPU runs it in torch's int4/int8 kernels, reading its bytes at the profile's
-  host_kernel_bandwidth, plus its eager operations' dispatch (profile.engine_host_layer_s), the activations crossing the link both ways. Only a
-  layer whose KV cache is its own and read by no other layer (its cache stays on the host).
+  host_kernel_bandwidth, plus its eager operations' dispatch (profile.engine_host_layer_s), the
+  activations crossing the link both ways (HOST_CROSSING_S). Only a layer whose KV cache is its
+  own and read by no other layer (its cache stays on the host).
 
 The link and the CPU work side by side: while the CPU runs its layers, the next streamed layer's
 copy crosses. So the split is chosen by playing the engine's schedule out (_schedule_seconds) for
@@ -71,7 +72,7 @@ EXPERT_SCRATCH_NOTE = ", the experts' scratch and staging rows"
 class LayerCost:
     index: int
     device_bytes: int  # weights in the GPU kernels' layout
-    dense_bytes: int  # weights as the CPU holds them (what a host layer reads: int4/int8 in its kernels, else bfloat16)
+    dense_bytes: int  # weights as the CPU holds them (a host layer reads them: its kernels' int4/int8, or bfloat16)
     kv_bytes: int
     shared: bool  # other layers read its KV cache
     borrows: bool = False  # it reads another layer's KV cache
@@ -346,7 +347,7 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
           draft_bytes: int = 0) -> EngineMap:
     costs, globals_, tables = _costs(index, spec, context, kv_mode, spare_slots)
     experts = tables.pop("experts")
-    gpu_bw, link, cpu_bw = profile.gpu_bandwidth, profile.host_to_device, profile.cpu_bandwidth
+    gpu_bw, link = profile.gpu_bandwidth, profile.host_to_device
     fixed = {"reserve": profile.gpu_reserve_bytes, "globals": sum(globals_.values()),
              "work": _work_bytes(spec, context, kv_mode, spare_slots) + MARGIN_BYTES}
     if draft_bytes:
