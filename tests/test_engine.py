@@ -308,6 +308,7 @@ def test_what_is_compiled_and_captured_follows_the_placement(layers, tables_on_h
     assert (wanted(COMPILE_ENV, model), wanted(GRAPH_ENV, model)) == (compile_, capture)
     model.device = torch.device("cpu")  # no GPU: eager, unless capture is forced for a resident model
     assert not wanted(GRAPH_ENV, model) or (setting == "on" and model.placement.resident_only)
+    assert not wanted(COMPILE_ENV, model)  # never compiled off CUDA
 
 
 @gpu
