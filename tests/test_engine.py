@@ -116,6 +116,16 @@ def test_every_placement_decodes_the_same_tokens(artifacts, kind):
             assert engine.streamer.order == list(range(n // 2, n))
             assert memory["link_bytes_per_token"] >= engine.streamer.bytes_per_step > 0
             assert memory["staging_bytes"] == 2 * max(s.nbytes for s in engine.streamer.staged.values())
+    # Prefill chunks that stream the host layers through the staging areas and compute them on
+    # the device (as on CUDA), their caches staying on the host; not for MoE models.
+    engine = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64, placement=placements["mixed"],
+                        prefill_host_layers_on_device=True)
+    if kind == "moe":
+        assert engine.prefill_streamer is None
+    else:
+        assert engine.prefill_streamer is not None and engine.prefill_streamer.areas is engine.streamer.areas
+        assert engine.prefill_streamer.order == [i for i in range(n) if placements["mixed"].layers[i] != RESIDENT]
+        results["mixed, prefill on the device"] = engine_greedy(engine, PROMPT, STEPS, chunk=5)
     tokens, logits = results.pop("resident")
     for name, (other_tokens, other_logits) in results.items():
         assert other_tokens == tokens, name

@@ -431,7 +431,10 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
 
     kinds = _split_leftover(costs, kinds, may_host, step)
     streamed = [c for c in costs if kinds[c.index] == "streamed"]
-    staging = 2 * max((c.device_bytes for c in streamed), default=0)
+    # The host layers are staged too, by a prefill chunk (runtime/engine/model.py: computed on the
+    # GPU, their caches on the host), and kept in the GPU's layout in host memory beside the CPU's.
+    hosted = [c for c in costs if kinds[c.index] == "host"]
+    staging = 2 * max((c.device_bytes for c in streamed + hosted), default=0)
     host_kv = sum(c.kv_bytes for c in costs if kinds[c.index] == "host")
     layers = tuple(kinds[c.index] for c in costs)
     seconds = head_time + step(kinds)
@@ -439,7 +442,7 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
     link_bytes = sum(c.device_bytes for c in streamed) + _row_bytes(index) + crossings * spec.hidden * 2
     gpu = {**fixed, "kv": kv_all - host_kv, "tables": 0,
            "layers": sum(c.device_bytes for c in costs if kinds[c.index] == "resident"), "staging": staging}
-    host = table_bytes + sum(c.device_bytes for c in streamed) + sum(c.dense_bytes for c in costs if kinds[c.index] == "host")
+    host = table_bytes + sum(c.device_bytes for c in streamed) + sum(c.dense_bytes + c.device_bytes for c in hosted)
     counts = {kind: layers.count(kind) for kind in ("resident", "streamed", "host")}
     reason = (f"engine plan: {counts['resident']} layers on the GPU, {counts['streamed']} streamed, {counts['host']} on the CPU, "
               f"tables in host memory ({format_size(sum(gpu.values()))} of {format_size(vram_bytes)})")

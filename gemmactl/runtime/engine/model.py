@@ -140,8 +140,13 @@ class GemmaModel:
 
     def __init__(self, artifact, *, device: str, dtype: torch.dtype, context: int,
                  placement: EnginePlacement | None = None, experts=None, kv_mode: str | None = None,
-                 yarn: float | None = None, spare_slots: int = 0):
+                 yarn: float | None = None, spare_slots: int = 0, prefill_host_layers_on_device: bool | None = None):
         """experts: an ExpertSettings for MoE models (default: every expert cached, LRU).
+        prefill_host_layers_on_device (default: on CUDA): the host layers are also kept in the
+        device kernel's layout in (pinned) host memory, and a prefill chunk streams them through
+        the staging areas and computes them on the device, their KV caches staying on the host: a
+        chunk of many tokens costs the CPU's kernels far more than the copy (an E4B layer, 256
+        tokens: about a second on 2 cores, against ~1 ms over an H200's link).
         spare_slots: ring slots beyond the window (speculation writes up to that many positions
         ahead and rolls back: their keys must not overwrite ones the window still needs).
         kv_mode: the KV caches' mode (runtime/engine/kv_modes.py; default bf16).
@@ -168,19 +173,37 @@ class GemmaModel:
             self.ple_norm = self._norm("per_layer_projection_norm.weight")
         self.where = self.placement.layers
         self.experts = self._experts(experts) if spec.moe else None
-        self.layers, staged = [], []
+        if prefill_host_layers_on_device is None:
+            prefill_host_layers_on_device = self.device.type == "cuda"
+        prefill_host_layers_on_device = prefill_host_layers_on_device and not spec.moe  # (a layer, one expert block)
+        self.layers, staged, staged_host, device_twins = [], [], [], {}
+        pin = self.device.type == "cuda"
         for layer_spec in spec.layers:
             where = self.where[layer_spec.index]
             layer = self._layer(layer_spec, self.host if where == HOST else self.device)
             if where == STREAMED:
                 # Made in the device kernel's layout, then kept in (pinned) host memory only.
-                staged.append(StagedLayer(layer_spec.index, layer.linears(), pin=self.device.type == "cuda"))
+                staged.append(StagedLayer(layer_spec.index, layer.linears(), pin=pin))
                 layer = layer.with_linears({})
+            elif where == HOST and prefill_host_layers_on_device:
+                twin = self._layer(layer_spec, self.device)  # its device layout, for prefill chunks
+                staged_host.append(StagedLayer(layer_spec.index, twin.linears(), pin=pin))
+                device_twins[layer_spec.index] = twin.with_linears({})
+                del twin
             self.layers.append(layer)
-        self.streamer = LayerStreamer(staged, self.device) if staged else None
-        # The two staged versions of each streamed layer, one per staging area.
-        self.staged_layers = {item.index: [self.layers[item.index].with_linears(item.slots[slot]) for slot in range(2)]
-                              for item in staged}
+        # Two staging areas, each for the largest layer staged; a prefill chunk streams the host
+        # layers too (in layer order with the streamed ones) through the same two.
+        largest = max((item.nbytes for item in staged + staged_host), default=0)
+        areas = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)] if largest else None
+        self.streamer = LayerStreamer(staged, self.device, areas) if staged else None
+        self.prefill_streamer = None
+        if staged_host:
+            both = sorted(staged + staged_host, key=lambda item: item.index)
+            self.prefill_streamer = LayerStreamer(both, self.device, areas)
+        # The two staged versions of each streamed (and prefill-staged host) layer, one per area.
+        self.staged_layers = {item.index: [(device_twins.get(item.index) or self.layers[item.index])
+                                           .with_linears(item.slots[slot]) for slot in range(2)]
+                              for item in staged + staged_host}
         if self.repack is not None:
             self.repack.save()
         self.caches: dict[int, KVCache] = {}
@@ -331,17 +354,19 @@ class GemmaModel:
         step ends one CUDA graph and begins the next there (runtime/engine/graph_moe.py)."""
         # Positions, rope rows and per-layer inputs on each device a layer runs on.
         here = {dev: self.inputs_on(dev, positions, per_layer_inputs) for dev in self.devices}
-        if self.streamer is not None:
-            self.streamer.begin()
+        # A chunk of several tokens runs the host layers on the device too, streamed (see __init__).
+        streamer = self.prefill_streamer if x.shape[0] > 1 and self.prefill_streamer is not None else self.streamer
+        if streamer is not None:
+            streamer.begin()
         for layer in self.layers:
             s = layer.spec
-            where = self.where[s.index]
-            if where == STREAMED:
-                layer = self.staged_layers[s.index][self.streamer.fetch(s.index)]
-            dev = self.host if where == HOST else self.device
+            staged = streamer is not None and s.index in streamer.staged
+            if staged:
+                layer = self.staged_layers[s.index][streamer.fetch(s.index)]
+            dev = self.host if self.where[s.index] == HOST and not staged else self.device
             x = self.layer_forward(layer, x.to(dev), *here[dev], end, rows_as_decode, experts_of)
-            if where == STREAMED:
-                self.streamer.release(s.index)
+            if staged:
+                streamer.release(s.index)
         return self.logits_of(x, all_logits)
 
     def inputs_on(self, dev, positions: torch.Tensor, per_layer_inputs: torch.Tensor | None) -> tuple:
@@ -406,6 +431,9 @@ class GemmaModel:
         q = found["q"].reshape(t, s.heads, s.head_dim)  # [T, N, D]
         q = rotate(rms_norm(q, a.q_norm, eps), cos, sin)
         cache = self.caches[s.kv_from]  # a shared cache may live on the other device
+        # A host layer's cache stays on the host when a prefill chunk computes the layer on the
+        # device: its keys are written there and read back here (a few MB a chunk).
+        home, here = cache.device, h.device
         if s.owns_kv:
             k = found["k"].reshape(t, s.kv_heads, s.head_dim)  # [T, K, D]
             v = found["v"].reshape(t, s.kv_heads, s.head_dim) if "v" in found else k
@@ -413,20 +441,23 @@ class GemmaModel:
             if a.v_norm:
                 v = rms_norm(v, None, eps)
             if end is not None and end == t:  # a sequence's first chunk (positions from 0)
-                cache.begin(k, v)
+                cache.begin(k.to(home), v.to(home))
             if cache.ring and t > 1 and not rows_as_decode:
                 # A chunk attends to the ring as it was (the window before it) and to itself, then
                 # is written: writing first could overwrite keys its first tokens still need.
                 held = cache.slots if end is None else min(cache.slots, end - t)  # slots written before
-                old_k, old_v = cache.read(held)
-                new_k, new_v = cache.space(k, v)  # as the cache will give them back
+                old_k, old_v = (part.to(here) for part in cache.read(held))
+                new_k, new_v = (part.to(here) for part in cache.space(k.to(home), v.to(home)))  # as the cache gives them
                 # Keys the ring holds at the chunk's positions or later are left from a rolled-back
                 # speculation: hidden as unwritten (-1), the chunk's own replace them.
-                old_pos = cache.pos[:held].masked_fill(cache.pos[:held] >= positions[0], -1)
+                old_pos = cache.pos[:held].to(here)
+                old_pos = old_pos.masked_fill(old_pos >= positions[0], -1)
                 keys = (torch.cat((old_k, new_k)), torch.cat((old_v, new_v)), torch.cat((old_pos, positions)))
-                cache.write(k, v, positions)
-                return self._scores(layer, q, *keys, positions, cache.rotation, cache.value_offset)
-            cache.write(k, v, positions)
+                cache.write(k.to(home), v.to(home), positions.to(home))
+                rotation, offset = cache.rotation, cache.value_offset
+                return self._scores(layer, q, *keys, positions, rotation.to(here) if rotation is not None else None,
+                                    offset.to(here) if offset is not None else None)
+            cache.write(k.to(home), v.to(home), positions.to(home))
         if rows_as_decode and t > 1:
             ends = [int(p) + 1 for p in positions.tolist()]
             return torch.cat([self._read_and_attend(layer, q[i:i + 1], cache, min(cache.slots, ends[i]),
@@ -554,6 +585,9 @@ class GemmaModel:
                                                   layer.layer_scalar))
         streamed = self.streamer.bytes_per_step if self.streamer is not None else 0
         where["host"] += streamed
+        if self.prefill_streamer is not None:  # the host layers' device layout, for prefill chunks
+            where["host"] += sum(item.nbytes for index, item in self.prefill_streamer.staged.items()
+                                 if self.where[index] == HOST)
         tables = [self.embed] + ([self.ple_table] if self.spec.ple_dim else [])
         row_bytes = 0
         for _, data, scales in tables:
@@ -567,5 +601,6 @@ class GemmaModel:
                         if (a == HOST) != (b == HOST))
         link = streamed + (row_bytes if self.placement.tables_on_host else 0) + crossings * self.spec.hidden * 2
         return {"weights_device_bytes": where["device"], "weights_host_bytes": where["host"],
-                "staging_bytes": self.streamer.staging_bytes if self.streamer is not None else 0,
+                "staging_bytes": (self.prefill_streamer or self.streamer).staging_bytes
+                if (self.prefill_streamer or self.streamer) is not None else 0,
                 "kv_device_bytes": kv["device"], "kv_host_bytes": kv["host"], "link_bytes_per_token": link}

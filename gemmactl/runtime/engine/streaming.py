@@ -66,13 +66,17 @@ class LayerStreamer:
     graph, which cannot wait on events recorded outside its capture.
     """
 
-    def __init__(self, staged: list[StagedLayer], device: torch.device):
+    def __init__(self, staged: list[StagedLayer], device: torch.device, areas: list | None = None):
+        """areas: another streamer's two staging areas to share (the prefill's streamer, which
+        also stages the host layers, shares the decode step's); each holds any of these layers."""
         self.staged = {layer.index: layer for layer in staged}
         self.order = [layer.index for layer in staged]
         self.device = device
         self.cuda = device.type == "cuda"
         size = max((layer.nbytes for layer in staged), default=0)
-        self.areas = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.areas = areas or [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        if self.areas[0].numel() < size:
+            raise ValueError(f"a staging area of {self.areas[0].numel()} bytes cannot hold a layer of {size}")
         for position, layer in enumerate(staged):
             for slot in range(2):
                 layer.bind(slot, self.areas[slot])
