@@ -54,7 +54,7 @@ class HardwareProfile:
     unified_memory: bool = False  # VRAM and RAM are one pool (GB10-class)
     # bytes/s the engine's CPU int4/int8 kernels read a layer's weights at, all cores (0: not
     # measured; the engine's host layers are then priced at cpu_bandwidth). They are bound by their
-    # arithmetic before the memory: a quarter of the copy bandwidth on a 2-core AVX-512 host.
+    # arithmetic before the memory: 12.9-18.3 GB/s on a 2-core AVX-512 host that copies at 34.
     cpu_kernel_bandwidth: float = 0.0
     # seconds torch takes to run one small operation on the CPU (dispatch, no arithmetic to speak
     # of): what an engine layer on the host pays per operation beyond its kernels' reads (0: not

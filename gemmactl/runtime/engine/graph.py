@@ -31,6 +31,11 @@ GRAPH_ENV = "GEMMACTL_ENGINE_GRAPH"  # auto (on for CUDA) | on (forced, also off
 
 
 MOE_ENV = "GEMMACTL_ENGINE_MOE"  # pieces (default) | table
+OFF = ("off", "0", "false")
+
+
+def _setting(env: str) -> str:
+    return os.environ.get(env, "auto").lower()
 
 
 def moe_table_wanted(model) -> bool:
@@ -48,7 +53,7 @@ def moe_pieces_wanted(model) -> bool:
     """Whether to capture an MoE model's step between its routing decisions (graph_moe.py): on
     CUDA unless GRAPH_ENV is off, with every layer resident and the experts in an arena."""
     placement = model.placement
-    return (model.experts is not None and os.environ.get(GRAPH_ENV, "auto").lower() not in ("off", "0", "false")
+    return (model.experts is not None and _setting(GRAPH_ENV) not in OFF
             and model.device.type == "cuda" and all(kind == RESIDENT for kind in placement.layers)
             and model.experts.store.arena is not None)
 
@@ -59,7 +64,7 @@ def host_pieces_wanted(model) -> bool:
     from gemmactl.runtime.engine.graph_host import cut_around_host
 
     return (cut_around_host(model) and model.device.type == "cuda"
-            and os.environ.get(GRAPH_ENV, "auto").lower() not in ("off", "0", "false"))
+            and _setting(GRAPH_ENV) not in OFF)
 
 
 def wanted(env: str, model) -> bool:
@@ -69,9 +74,9 @@ def wanted(env: str, model) -> bool:
     and whether they are cached, is decided on the host; moe_pieces_wanted says when the pieces
     between are captured). Streamed layers or tables in host memory:
     captured, never fused (the copies run on their own stream)."""
-    setting = os.environ.get(env, "auto").lower()
+    setting = _setting(env)
     placement = model.placement
-    if setting in ("off", "0", "false") or HOST in placement.layers or model.experts is not None:
+    if setting in OFF or HOST in placement.layers or model.experts is not None:
         return False
     if not placement.resident_only:
         return env == GRAPH_ENV and model.device.type == "cuda"

@@ -189,7 +189,6 @@ class GemmaModel:
                 twin = self._layer(layer_spec, self.device)  # its device layout, for prefill chunks
                 staged_host.append(StagedLayer(layer_spec.index, twin.linears(), pin=pin))
                 device_twins[layer_spec.index] = twin.with_linears({})
-                del twin
             self.layers.append(layer)
         # Two staging areas, each for the largest layer staged; a prefill chunk streams the host
         # layers too (in layer order with the streamed ones) through the same two.
@@ -600,7 +599,7 @@ class GemmaModel:
         crossings = sum(1 for a, b in zip((RESIDENT,) + self.where, self.where + (RESIDENT,))
                         if (a == HOST) != (b == HOST))
         link = streamed + (row_bytes if self.placement.tables_on_host else 0) + crossings * self.spec.hidden * 2
+        staging = self.prefill_streamer or self.streamer  # (they share their areas)
         return {"weights_device_bytes": where["device"], "weights_host_bytes": where["host"],
-                "staging_bytes": (self.prefill_streamer or self.streamer).staging_bytes
-                if (self.prefill_streamer or self.streamer) is not None else 0,
+                "staging_bytes": staging.staging_bytes if staging is not None else 0,
                 "kv_device_bytes": kv["device"], "kv_host_bytes": kv["host"], "link_bytes_per_token": link}

@@ -67,8 +67,9 @@ class LayerStreamer:
     """
 
     def __init__(self, staged: list[StagedLayer], device: torch.device, areas: list | None = None):
-        """areas: another streamer's two staging areas to share (the prefill's streamer, which
-        also stages the host layers, shares the decode step's); each holds any of these layers."""
+        """areas: two staging areas to share with another streamer (the model's decode and
+        prefill streamers share theirs; the prefill's also stages the host layers); each must
+        hold the largest of these layers. By default, two of that size are made."""
         self.staged = {layer.index: layer for layer in staged}
         self.order = [layer.index for layer in staged]
         self.device = device
