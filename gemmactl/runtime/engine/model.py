@@ -206,11 +206,16 @@ class GemmaModel:
         if self.repack is not None:
             self.repack.save()
         self.caches: dict[int, KVCache] = {}
+        # A cache lives in host memory only when every layer reading it runs there: a layer on the
+        # GPU reading it would copy it across the link each token (and could not be captured). The
+        # plan puts no such layer on the host; a hand-made placement still decodes, eagerly slow.
+        on_host = {layer.kv_from for layer in spec.layers if self.where[layer.index] == HOST} - \
+                  {layer.kv_from for layer in spec.layers if self.where[layer.index] != HOST}
         for layer in spec.layers:
             if layer.owns_kv:
                 ring = layer.kind == SLIDING and 0 < spec.window and spec.window + spare_slots < context
                 slots = spec.window + spare_slots if ring else context
-                home = self.host if self.where[layer.index] == HOST else self.device
+                home = self.host if layer.index in on_host else self.device
                 self.caches[layer.index] = make_cache(kv_mode, slots, layer.kv_heads, layer.head_dim, ring, dtype, home,
                                                       seed=layer.index)
         self.kv_mode = kv_mode or "bf16"
