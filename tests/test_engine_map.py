@@ -477,7 +477,11 @@ def test_the_profile_measures_the_cpu_kernels_and_falls_back_to_the_copy_rate():
     assert rate > 0 if cpu_kernels_kept(torch.bfloat16) else rate == 0.0
     assert replace(PROFILE, cpu_kernel_bandwidth=0.0).host_kernel_bandwidth == PROFILE.cpu_bandwidth
     assert PROFILE.host_kernel_bandwidth == PROFILE.cpu_kernel_bandwidth > 0
-    from gemmactl.plan.profile import DEFAULT_CPU_OP_S, ENGINE_LAYER_OPS, _cpu_op_latency
+    from gemmactl.plan.profile import DEFAULT_CPU_OP_S, ENGINE_LAYER_OPS, ENGINE_OPS_PER_MB, _cpu_op_latency
 
     assert 0 < _cpu_op_latency(repeats=50) < 1e-3
-    assert PROFILE.engine_host_layer_s == ENGINE_LAYER_OPS * DEFAULT_CPU_OP_S  # a shipped profile: the default
+    # A shipped profile prices an operation at the default; a layer's operations grow with its size.
+    assert PROFILE.engine_host_layer_s(0) == pytest.approx(ENGINE_LAYER_OPS * DEFAULT_CPU_OP_S)
+    e4b_layer = 62_000_000
+    assert PROFILE.engine_host_layer_s(e4b_layer) == pytest.approx((ENGINE_LAYER_OPS + 62 * ENGINE_OPS_PER_MB)
+                                                                   * DEFAULT_CPU_OP_S)

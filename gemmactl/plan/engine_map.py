@@ -374,7 +374,7 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
     hosting = not experts and os.environ.get(HOST_LAYERS_ENV, "auto").lower() not in ("off", "0", "false")
 
     def host_time(c: LayerCost) -> float:
-        return c.dense_bytes / host_bw + profile.engine_host_layer_s
+        return c.dense_bytes / host_bw + profile.engine_host_layer_s(c.dense_bytes)
 
     def may_host(c: LayerCost) -> bool:
         return hosting and c.may_run_on_host
@@ -587,7 +587,7 @@ def cpu_decode_tok_s(artifact: Path, profile, context: int, kv_mode: str | None 
         if head or projection:
             dense_globals += linear_bytes(record["scheme"], shape, record.get("group_size"), cuda=False)
     rate = profile.host_kernel_bandwidth
-    seconds = sum(c.dense_bytes / rate + profile.engine_host_layer_s for c in costs)
+    seconds = sum(c.dense_bytes / rate + profile.engine_host_layer_s(c.dense_bytes) for c in costs)
     reads = _kv_reads(spec, ("host",) * len(spec.layers), profile, context, kv_mode)
     return _with_reads(1.0 / (seconds + dense_globals / rate), reads, position)
 

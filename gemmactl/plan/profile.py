@@ -28,9 +28,15 @@ CACHE_NAME = "machine-profile.json"
 # fresh context once loaded and captured (benchmarks/engine_memory.py), the profile's cuBLAS
 # matmul accounting for part of it.
 RESERVE_MARGIN_BYTES = 128 << 20
-# An engine layer on the CPU runs about this many operations' worth of dispatch: a Gemma 4 layer of
-# tiny matrices took 406–441 µs on a 2-core AVX-512 host where one small operation took 1.9 µs.
+# An engine layer on the CPU pays for its eager operations beside its kernels' reads, counted in
+# small operations (cpu_op_latency_s each): ENGINE_LAYER_OPS for a layer of tiny matrices, and
+# ENGINE_OPS_PER_MB more for each MB of its weights (wider activations, their conversions, the
+# attention's products). A Gemma 4 layer of tiny matrices took 406–441 µs on a 2-core AVX-512 host
+# where one small operation took 1.9 µs (220); an E4B layer (62 MB) took 2.19 ms on a 16-core Xeon,
+# 0.85 of them in its kernels, at 1.29 µs an operation (1,040), and 6.44 ms on the 2-core host,
+# 3.98 in its kernels, at 2.33 µs (1,056): about 13 a MB beyond the 220.
 ENGINE_LAYER_OPS = 220
+ENGINE_OPS_PER_MB = 13
 DEFAULT_CPU_OP_S = 2e-6
 CACHE_VERSION = 3  # 2: the GPU reserve is this machine's measured CUDA context; 3: the CPU kernels' rate
 
@@ -66,11 +72,11 @@ class HardwareProfile:
         """What the engine's CPU kernels read weights at: measured, else the memory's copy rate."""
         return self.cpu_kernel_bandwidth or self.cpu_bandwidth
 
-    @property
-    def engine_host_layer_s(self) -> float:
-        """What one engine layer on the host costs beyond its weights' reads: its eager operations
-        (ENGINE_LAYER_OPS of them at the measured latency of one)."""
-        return ENGINE_LAYER_OPS * (self.cpu_op_latency_s or DEFAULT_CPU_OP_S)
+    def engine_host_layer_s(self, weight_bytes: int) -> float:
+        """What one engine layer of weight_bytes on the host costs beyond its weights' reads: its
+        eager operations (ENGINE_LAYER_OPS, and ENGINE_OPS_PER_MB a MB, at the measured latency of one)."""
+        ops = ENGINE_LAYER_OPS + ENGINE_OPS_PER_MB * weight_bytes / 1e6
+        return ops * (self.cpu_op_latency_s or DEFAULT_CPU_OP_S)
 
     @property
     def has_gpu(self) -> bool:
@@ -199,14 +205,17 @@ def _cpu_kernel_bandwidth(copies: int = 6, repeats: int = 5) -> float:
             torch.ops.aten._weight_int4pack_mm_for_cpu(x4, packed, group, sz)
             torch.ops.aten._weight_int8pack_mm(x8, weights, scales)
 
+    # The fastest of the rounds: a round that shared the cores with other work (a compile, say)
+    # read at a fraction of the rate, and a profile is kept until `plan --profile` measures again.
+    fastest = float("inf")
     with torch.inference_mode():
         once()
-        start = time.perf_counter()
         for _ in range(repeats):
+            start = time.perf_counter()
             once()
-        elapsed = time.perf_counter() - start
+            fastest = min(fastest, time.perf_counter() - start)
     nbytes = codes.numel() * codes.element_size() + scales_zeros.numel() * 2 + int8.numel() + int8_scales.numel() * 2
-    return copies * nbytes * repeats / elapsed
+    return copies * nbytes / fastest
 
 
 def _cpu_op_latency(repeats: int = 2000) -> float:
