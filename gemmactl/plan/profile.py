@@ -32,9 +32,9 @@ RESERVE_MARGIN_BYTES = 128 << 20
 # small operations (cpu_op_latency_s each): ENGINE_LAYER_OPS for a layer of tiny matrices, and
 # ENGINE_OPS_PER_MB more for each MB of its weights (wider activations, their conversions, the
 # attention's products). A Gemma 4 layer of tiny matrices took 406–441 µs on a 2-core AVX-512 host
-# where one small operation took 1.9 µs (220); an E4B layer (62 MB) took 2.19 ms on a 16-core Xeon,
-# 0.85 of them in its kernels, at 1.29 µs an operation (1,040), and 6.44 ms on the 2-core host,
-# 3.98 in its kernels, at 2.33 µs (1,056): about 13 a MB beyond the 220.
+# where one small operation took 1.9 µs (220); an E4B layer (62 MB) took 2.19 ms on an idle
+# 16-core Xeon, 0.85 of them in its kernels, at 1.29 µs an operation (1,040: 13 a MB beyond the
+# 220), and 4.0 ms on the 2-core host, 3.2 in its kernels, at 1.1 µs (about 730: 8 a MB).
 ENGINE_LAYER_OPS = 220
 ENGINE_OPS_PER_MB = 13
 DEFAULT_CPU_OP_S = 2e-6
