@@ -18,7 +18,7 @@ Q4_0 of the same checkpoint, made with the active build's llama-quantize).
 A variant names its group size and options, joined by "-": `gN` (group size), `minmax` (the
 plain min/max fit instead of the squared-error search), `calib` (weigh the search by activation
 importance measured on --calibration, which must not be the evaluation text), `s8`/`s4`
-(`--sensitive int8`/`int4`, s4 when not named). The reference's logits are computed once per
+(`--sensitive int8`/`int4`, s4 when not named), `h4` (`--head int4`: a tied head of its own in int4). The reference's logits are computed once per
 window and kept on disk (a temporary folder), so each candidate costs one forward pass per window.
 The JSON report goes to stdout and, with --out, to FILE.
 """
@@ -96,7 +96,7 @@ def parse_variant(spec: str, calibration: Path | None):
     from gemmactl.formats.int4.layout import QuantizeOptions
 
     parts = spec.split("-")
-    unknown = [p for p in parts[1:] if p not in ("minmax", "calib", "s8", "s4")]
+    unknown = [p for p in parts[1:] if p not in ("minmax", "calib", "s8", "s4", "h4")]
     if not parts[0].startswith("g") or unknown:
         raise SystemExit(f"cannot read variant {spec!r}")
     if "calib" in parts and calibration is None:
@@ -106,6 +106,7 @@ def parse_variant(spec: str, calibration: Path | None):
         sensitive="int8" if "s8" in parts else "int4",
         search="minmax" not in parts,
         calibration=Calibration.from_file(calibration) if "calib" in parts else None,
+        head="int4" if "h4" in parts else "tied",
     )
 
 

@@ -92,6 +92,42 @@ def test_engine_logits_and_greedy_tokens_equal_transformers(artifacts, kind):
         assert len(engine.caches) == 5  # the last five layers read their producers' caches
 
 
+@pytest.mark.parametrize("kind", ["e2b-tiny", "gemma3-tiny"])
+def test_an_int4_head_of_its_own_decodes_as_transformers_holding_it(kind, tmp_path):
+    """`quantize --head int4`: the engine multiplies by the artifact's int4 head (not the int8
+    table), as transformers does holding the same dequantized weights; and the engine's map
+    counts the smaller head."""
+    from pathlib import Path
+
+    from gemmactl.plan.engine_map import _costs, _index_and_spec
+    from gemmactl.runtime.engine.kernels import linear_bytes
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.int4_model import build_model
+    from helpers.random_gemma import build_random_gemma
+
+    source = build_random_gemma(kind, tmp_path / "checkpoint")
+    made = {}
+    for head in ("tied", "int4"):
+        quantize_checkpoint(source, tmp_path / head, QuantizeOptions(group_size=32, head=head))
+        made[head] = open_artifact(tmp_path / head)
+    artifact = made["int4"]
+    assert artifact.record("lm_head.weight").scheme == "int4"
+    expected, expected_logits = reference_greedy(build_model(artifact, torch.float32), PROMPT, STEPS)
+    engine = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64)
+    tokens, logits = engine_greedy(engine, PROMPT, STEPS)
+    assert (logits - expected_logits).abs().max() <= TOLERANCE * expected_logits.abs().max()
+    assert tokens == expected
+    _, tied_logits = engine_greedy(GemmaModel(made["tied"], device="cpu", dtype=torch.float32, context=64), PROMPT, STEPS)
+    assert not torch.equal(tied_logits, logits)  # a head of its own, not the table
+    # The map counts the head as the kernel will hold it (tiny widths pad to tinygemm's tile; at
+    # E4B's, 262,144 × 2,560, int4 in groups of 32 takes 0.62 of the int8 table's bytes).
+    heads = {head: _costs(*_index_and_spec(Path(made[head].path)), 64)[1]["head"] for head in made}
+    shape = artifact.record("lm_head.weight").shape
+    assert heads == {"tied": linear_bytes("int8", shape, None, cuda=True), "int4": linear_bytes("int4", shape, 32, cuda=True)}
+    e4b = (262144, 2560)
+    assert linear_bytes("int4", e4b, 32, cuda=True) < 0.65 * linear_bytes("int8", e4b, None, cuda=True)
+
+
 @pytest.mark.parametrize("kind", ["e2b-tiny", "gemma3-tiny", "moe"])
 def test_every_placement_decodes_the_same_tokens(artifacts, kind):
     """All resident, half streamed, all on the host, mixed with tables in host memory: the same

@@ -150,6 +150,40 @@ def test_plan_orders_by_layer_then_expert_and_aligns_records(tmp_path):
     assert schemes["model.layers.1.experts.down_proj#3"] == "int4"
 
 
+def test_an_int4_head_of_its_own_is_quantized_from_the_tied_table(tmp_path):
+    """`--head int4`: a tied model gets an lm_head.weight record in int4 groups, made from the
+    token table (which stays int8 rows); the head's values are the table's, to an int4 step."""
+    tensors = small_tensors()
+    checkpoint = open_checkpoint(make_checkpoint(tmp_path / "ckpt", tensors))
+    plain = plan_layout(checkpoint, QuantizeOptions(group_size=32))
+    assert "lm_head.weight" not in {r.name for r in plain.records} and "head" not in plain.scheme
+    layout = plan_layout(checkpoint, QuantizeOptions(group_size=32, head="int4"))
+    head = next(r for r in layout.records if r.name == "lm_head.weight")
+    assert (head.scheme, head.group_size, head.shape, head.layer) == ("int4", 32, (300, 40), None)
+    assert layout.source_of(head) == "model.embed_tokens.weight" and layout.scheme["head"] == "int4"
+    assert layout.fingerprint != plain.fingerprint
+
+    artifact = open_artifact(quantize_checkpoint(tmp_path / "ckpt", tmp_path / "art",
+                                                 QuantizeOptions(group_size=32, head="int4")).out_dir)
+    assert artifact.record("model.embed_tokens.weight").scheme == "int8"
+    table = tensors["model.embed_tokens.weight"].float()
+    decoded = artifact.load_tensor("lm_head.weight", "cpu", torch.float32)
+    step = (table.abs().max() * 2) / 15  # a group's step is at most its range over 15 levels
+    assert (decoded - table).abs().max() <= step
+
+
+def test_a_model_with_its_own_head_or_an_untied_config_gets_no_second_head(tmp_path):
+    tensors = small_tensors()
+    with_head = open_checkpoint(make_checkpoint(tmp_path / "a", {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()}))
+    untied = open_checkpoint(make_checkpoint(tmp_path / "b", tensors, {"model_type": "gemma3_text", "tie_word_embeddings": False}))
+    for checkpoint in (with_head, untied):
+        layout = plan_layout(checkpoint, QuantizeOptions(group_size=32, head="int4"))
+        assert [r.name for r in layout.records].count("lm_head.weight") == (1 if checkpoint is with_head else 0)
+        assert not layout.sources
+    with pytest.raises(Exception, match="--head must be one of tied, int4"):
+        QuantizeOptions(head="int8").check()
+
+
 def test_index_round_trip(tmp_path):
     source = make_checkpoint(tmp_path / "ckpt", small_tensors(), {"model_type": "gemma3_text", "hidden_size": 40})
     result = quantize_checkpoint(source, tmp_path / "art", QuantizeOptions(group_size=32), source="test-model")

@@ -220,6 +220,7 @@ def test_existing_output_needs_force_and_a_foreign_folder_is_never_replaced(chec
         (["--int4-stream", "--shard-size", "lots"], "--shard-size 'lots' is not a size"),
         (["--int4-stream", "--shard-size", "4KiB"], "--shard-size must be at least 1MiB"),
         (["--int4-stream", "--embeddings", "fp8"], "'fp8' is not one of"),
+        (["--gguf", "Q4_K_M", "--head", "int4"], "--head goes with --int4-stream"),
     ],
 )
 def test_bad_options_are_one_line_exit_2(checkpoint, isolated_home, args, expected):
@@ -274,8 +275,9 @@ def test_progress_counts_encoding_work_and_a_resumed_run_starts_at_what_is_done(
 # -- a random model written straight to int4-stream (what the 26B-A4B benchmark uses) ------------
 
 
-@pytest.mark.parametrize("kind, layout", [("moe", "int8"), ("e2b-tiny", "int8"), ("e2b-tiny", "int4")])
-def test_a_random_artifact_has_the_records_of_a_quantized_checkpoint(tiny_gemma4, tmp_path, kind, layout):
+@pytest.mark.parametrize("kind, layout, head", [("moe", "int8", "tied"), ("e2b-tiny", "int8", "int4"),
+                                               ("e2b-tiny", "int4", "tied")])
+def test_a_random_artifact_has_the_records_of_a_quantized_checkpoint(tiny_gemma4, tmp_path, kind, layout, head):
     """write_random_int4 writes no checkpoint, yet the same records (names, experts, shapes, schemes,
     dtypes) as quantizing a saved random checkpoint of the kind; its weights decode with
     transformers' spread (std 0.02), its norms are ones, and the engine and the plan take it."""
@@ -287,9 +289,9 @@ def test_a_random_artifact_has_the_records_of_a_quantized_checkpoint(tiny_gemma4
     from helpers.random_gemma import write_random_int4
 
     made = open_artifact(write_random_int4(kind, tmp_path / "random", group_size=32, sensitive=layout,
-                                           embeddings=layout))
+                                           embeddings=layout, head=head))
     quantize_checkpoint(tiny_gemma4(kind), tmp_path / "quantized",
-                        QuantizeOptions(group_size=32, search=False, sensitive=layout, embeddings=layout))
+                        QuantizeOptions(group_size=32, search=False, sensitive=layout, embeddings=layout, head=head))
     reference = open_artifact(tmp_path / "quantized")
     fields = lambda artifact: {(r.key, r.shape, r.scheme, r.group_size, r.dtype) for r in artifact.records}  # noqa: E731
     assert fields(made) == fields(reference)

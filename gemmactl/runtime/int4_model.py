@@ -46,7 +46,8 @@ def build_model(artifact, dtype=None, device="cpu"):
     state = artifact.state_dict(device=device, dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     del state
-    model.tie_weights()
+    if "lm_head.weight" not in artifact.tensor_names():  # else the artifact's own head (`--head int4`) stays
+        model.tie_weights()
     if str(device) != "cpu":
         model.to(device)  # the buffers; the parameters are there already
     return checked(model, artifact, unexpected)

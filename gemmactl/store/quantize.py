@@ -46,6 +46,7 @@ def quantize_int4_stream(
     shard_size: int = 1 << 30,
     embeddings: str = "int8",
     sensitive: str = "int8",
+    head: str = "tied",
     calibration: Path | None = None,
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
@@ -60,6 +61,7 @@ def quantize_int4_stream(
         shard_size=shard_size,
         embeddings=embeddings,
         sensitive=sensitive,
+        head=head,
         calibration=Calibration.from_file(calibration) if calibration else None,
     )
     options.check()

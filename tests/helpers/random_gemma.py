@@ -233,7 +233,7 @@ def build_random_assistant(target_kind: str, out_dir: Path, *, seed: int = 1, la
 
 def write_random_int4(kind: str, out_dir: Path, *, seed: int = 0, vocab: Path | None = None, group_size: int = 64,
                       progress=None, embed_from: Path | None = None, sensitive: str = "int8",
-                      embeddings: str = "int8") -> Path:
+                      embeddings: str = "int8", head: str = "tied") -> Path:
     """Write a random model of a kind straight to an int4-stream artifact: the records a quantized
     checkpoint of it would have, with random codes and sane scales, and no checkpoint on disk or
     in memory (one block of rows at a time). Decoded weights are uniform with the standard
@@ -242,8 +242,8 @@ def write_random_int4(kind: str, out_dir: Path, *, seed: int = 0, vocab: Path | 
     embed_from: another artifact of the same vocabulary and a hidden size no larger: this model's
     token embedding (and so its tied head) is that one's, its rows padded with zeros (a target and
     draft whose logits agree where their layers add little: benchmarks/speculation_gpu.py).
-    sensitive, embeddings: the layout `gemmactl quantize --int4-stream` takes as --sensitive and
-    --embeddings (int8 rows by default; int4 for an artifact with every matrix in groups)."""
+    sensitive, embeddings, head: the layout `gemmactl quantize --int4-stream` takes as --sensitive,
+    --embeddings (int8 rows by default; int4 for an artifact with every matrix in groups) and --head."""
     import json
     import tempfile
     import zlib
@@ -308,7 +308,7 @@ def write_random_int4(kind: str, out_dir: Path, *, seed: int = 0, vocab: Path | 
         checkpoint = Checkpoint(folder, json.loads((folder / "config.json").read_text()), tensors,
                                 f"random:{kind}:{seed}")
         write_artifact(checkpoint, Path(out_dir), QuantizeOptions(group_size=group_size, search=False, sensitive=sensitive,
-                                                                embeddings=embeddings), encode=encode,
+                                                                embeddings=embeddings, head=head), encode=encode,
                        progress=progress)
     return Path(out_dir)
 
@@ -422,6 +422,8 @@ def main() -> None:
                         help="with --int4-stream: v_proj and down_proj as int8 rows (default) or int4, as quantize takes it")
     parser.add_argument("--embeddings", choices=("int8", "int4"), default="int8",
                         help="with --int4-stream: the embedding tables as int8 rows (default) or int4")
+    parser.add_argument("--head", choices=("tied", "int4"), default="tied",
+                        help="with --int4-stream: a tied head read from the table (default) or an int4 copy of its own")
     args = parser.parse_args()
     start = time.perf_counter()
     if args.gguf_from:
@@ -429,7 +431,8 @@ def main() -> None:
             parser.error("--gguf-from needs --vocab")
         write_random_gguf(args.kind, args.out, args.gguf_from, vocab=args.vocab)
     elif args.int4_stream:
-        write_random_int4(args.kind, args.out, vocab=args.vocab, sensitive=args.sensitive, embeddings=args.embeddings)
+        write_random_int4(args.kind, args.out, vocab=args.vocab, sensitive=args.sensitive, embeddings=args.embeddings,
+                          head=args.head)
     else:
         build_random_gemma(args.kind, args.out, vocab=args.vocab, device=args.device)
     print(f"{args.kind}: saved to {args.out} in {time.perf_counter() - start:.1f} s")

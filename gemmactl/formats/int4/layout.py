@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gemmactl.errors import InvalidOptionError
 from gemmactl.formats.int4.calibrate import Calibration
@@ -20,6 +20,7 @@ from gemmactl.formats.int4.spec import (
     FORMAT_NAME,
     FORMAT_VERSION,
     GROUP_SIZES,
+    HEAD_POLICIES,
     HEADER_SIZE,
     SENSITIVE_POLICIES,
     TensorRecord,
@@ -37,6 +38,9 @@ EXPERTS = ".experts."
 # projection and the MLP down projection (llama.cpp's Q4_K_M gives these two 6 bits in about half the layers).
 SENSITIVE = re.compile(r"(?:^|\.)(?:v_proj|down_proj)\.weight$")
 SMALL_NUMEL = 1024  # 2-D tensors (or experts) smaller than this are kept as they are
+HEAD = "lm_head.weight"
+# The text model's token table: a tied model's head (not the per-layer table, not a tower's).
+TOKEN_TABLE = re.compile(r"(?:^|\.)embed_tokens\.weight$")
 MIN_SHARD_SIZE = 1 << 20
 
 
@@ -54,6 +58,7 @@ class QuantizeOptions:
     sensitive: str = "int8"
     search: bool = True
     calibration: Calibration | None = None
+    head: str = "tied"
 
     def check(self) -> None:
         if self.group_size not in GROUP_SIZES:
@@ -62,6 +67,8 @@ class QuantizeOptions:
             raise InvalidOptionError(f"--embeddings must be one of {', '.join(EMBEDDING_POLICIES)}, got {self.embeddings}")
         if self.sensitive not in SENSITIVE_POLICIES:
             raise InvalidOptionError(f"--sensitive must be one of {', '.join(SENSITIVE_POLICIES)}, got {self.sensitive}")
+        if self.head not in HEAD_POLICIES:
+            raise InvalidOptionError(f"--head must be one of {', '.join(HEAD_POLICIES)}, got {self.head}")
         if self.calibration is not None and not self.search:
             raise InvalidOptionError("calibration weighs the int4 search; it needs search=True")
         if self.shard_size < MIN_SHARD_SIZE:
@@ -75,6 +82,7 @@ class QuantizeOptions:
             "group_size": self.group_size,
             "embeddings": self.embeddings,
             "sensitive": self.sensitive,
+            **({"head": self.head} if self.head != "tied" else {}),  # tied: as every artifact before the option
             "fit": "mse-search" if self.search else "minmax",
             "calibration": self.calibration.describe() if self.calibration else None,
             "scale_dtype": "float16",
@@ -93,6 +101,11 @@ class Layout:
     shards: list[tuple[str, int]]  # (file name, size in bytes) in order
     fingerprint: bytes  # sha256 of the plan; written into each shard header
     scheme: dict
+    sources: dict[str, str] = field(default_factory=dict)  # a record made from another tensor → that tensor
+
+    def source_of(self, record: TensorRecord) -> str:
+        """The checkpoint tensor a record is quantized from."""
+        return self.sources.get(record.name, record.name)
 
     def shard_records(self, shard: str) -> list[TensorRecord]:
         return [record for record in self.records if record.shard == shard]
@@ -162,6 +175,11 @@ def plan_layout(checkpoint: Checkpoint, options: QuantizeOptions) -> Layout:
     """Decide scheme, order, shard and offsets of every record; reads no weights."""
     options.check()
     records = [record for tensor in checkpoint.tensors for record in _records_for(tensor, options)]
+    sources = {}
+    table = _tied_table(checkpoint) if options.head == "int4" else None
+    if table is not None:
+        records.append(TensorRecord(HEAD, table.shape, table.dtype, "int4", options.group_size, None))
+        sources[HEAD] = table.name
     shards: list[list[TensorRecord]] = [[]]
     cursor = HEADER_SIZE
     for unit in _units(records):
@@ -193,4 +211,18 @@ def plan_layout(checkpoint: Checkpoint, options: QuantizeOptions) -> Layout:
         "records": [{**r.to_json(), "checksum": None} for r in ordered],
     }
     fingerprint = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).digest()
-    return Layout(ordered, files, fingerprint, scheme)
+    return Layout(ordered, files, fingerprint, scheme, sources)
+
+
+def _tied_table(checkpoint: Checkpoint) -> SourceTensor | None:
+    """The token table a tied model's head reads, or None (the model has a head of its own, or
+    says its head is not tied): `--head int4` then changes nothing, the head being int4 already."""
+    if any(tensor.name.endswith(HEAD) for tensor in checkpoint.tensors):
+        return None
+    config = checkpoint.config
+    text = config.get("text_config") or {}
+    if not text.get("tie_word_embeddings", config.get("tie_word_embeddings", True)):
+        return None
+    tables = [t for t in checkpoint.tensors if TOKEN_TABLE.search(t.name) and tensor_layer(t.name) is None
+              and "vision" not in t.name and "audio" not in t.name and len(t.shape) == 2]
+    return tables[0] if len(tables) == 1 else None

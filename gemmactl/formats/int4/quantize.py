@@ -85,7 +85,7 @@ def write_artifact(
 
         importance = collect_importance(checkpoint.path, options.calibration)
     by_name = {tensor.name: tensor for tensor in checkpoint.tensors}
-    source_total = sum(_source_bytes(by_name[r.name], r) for r in layout.records)
+    source_total = sum(_source_bytes(by_name[layout.source_of(r)], r) for r in layout.records)
     # Progress counts work, not bytes: an int4 group search costs hundreds of times an int8 row
     # per weight, so a byte count said "5 s left" at 63% of a model whose embedding tables come first.
     total = sum(_work(r, options.search) for r in layout.records)
@@ -109,7 +109,7 @@ def write_artifact(
                 if encode is not None:
                     encode(record, writer)
                 else:
-                    encode_record(reader, by_name[record.name], record, writer, search=options.search,
+                    encode_record(reader, by_name[layout.source_of(record)], record, writer, search=options.search,
                                   importance=importance.get(record.name))
                 writer.end_record()
                 done += _work(record, options.search)

@@ -25,6 +25,9 @@ _HEADER = struct.Struct("<8sIIII32s")
 GROUP_SIZES = (32, 64, 128)
 EMBEDDING_POLICIES = ("int4", "int8", "bf16")
 SENSITIVE_POLICIES = ("int4", "int8")  # what v_proj and down_proj weights become
+# A tied model's output head: the embedding table as stored ("tied"), or an int4 copy of its own
+# (lm_head.weight, quantized from the same source weights; the table stays as --embeddings says).
+HEAD_POLICIES = ("tied", "int4")
 SCHEMES = ("int4", "int8", "raw")
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
