@@ -69,6 +69,16 @@ def test_quantize_human_output_and_out_option(checkpoint, runner, tmp_path):
     assert (tmp_path / "mine" / "index.json").is_file()
 
 
+def test_quantize_head_int4_says_so_and_inspect_shows_the_head(checkpoint, runner, tmp_path):
+    result = invoke(runner, ["quantize", str(checkpoint), "--int4-stream", "--head", "int4", "--out", str(tmp_path / "h4")])
+    assert result.exit_code == 0, result.stderr
+    assert "head int4" in result.stdout.splitlines()[0]
+    text = invoke(runner, ["inspect", str(tmp_path / "h4")])
+    assert "sensitive int8, head int4, fit" in text.stdout
+    summary = json.loads(invoke(runner, ["inspect", str(tmp_path / "h4"), "--json"]).stdout)
+    assert summary["records"] == len(small_tensors()) + 2 * 3 + 1  # two stacks of 4 experts, a record each, and the head
+
+
 # -- resume -----------------------------------------------------------------------------------------
 
 

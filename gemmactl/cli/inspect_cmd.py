@@ -79,6 +79,8 @@ def _policy(scheme: dict) -> str:
     words = [f"embeddings {scheme.get('embeddings')}"]
     if "sensitive" in scheme:
         words.append(f"sensitive {scheme['sensitive']}")
+    if "head" in scheme:
+        words.append(f"head {scheme['head']}")
     if "fit" in scheme:
         words.append(f"fit {scheme['fit']}")
     calibration = scheme.get("calibration")
