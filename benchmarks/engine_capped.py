@@ -24,6 +24,10 @@ once with the cache off (hit rate, bytes over the link per token, decode and wal
 `--runs prefetch` runs the engine again without prefetch (`--no-expert-prefetch`), and
 `--runs no-host` runs it again with no layer on the CPU (GEMMACTL_PLAN_HOST_LAYERS=off: the layers
 that do not fit all stream), beside the plan's own split between the link and the CPU.
+`--runs rounds` alternates the engine's `run` and llama-bench's tg at the plan's -ngl --rounds
+times (3) and reports each round's ratio and the medians: llama.cpp's CPU layers make its rate
+move with the host's cores (31–64 tok/s at one cap on three machines of one kind), the engine's
+far less, so a ratio is only fair between runs side by side in time.
 
     python benchmarks/engine_capped.py --artifact DIR --gguf FILE --hf-model DIR --bench llama-bench --out DIR
 """
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -143,6 +148,7 @@ def main() -> None:
                              "run-llamacpp: on one; prefetch: the engine again with --no-expert-prefetch)")
     parser.add_argument("--policies", help="with --runs policies: which of them, comma-separated (default: "
                                            "lru,lfu,hot,off; off is the cache turned off)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --runs rounds: how many engine/llama-bench pairs")
     parser.add_argument("--zipf", type=float, help="skew the engine's MoE routers: Zipf S over each layer's experts")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -218,6 +224,8 @@ def main() -> None:
 
     if "bench" in runs:
         bench(args, vram, result)
+    if "rounds" in runs:
+        result["rounds"] = rounds(args, vram, lambda number: run_tier("engine", f"engine-round-{number}"))
     if "sweep" in runs:
         result["n_cpu_moe_sweep"] = sweep(args, cap_mib)
     if "fit" in runs:
@@ -234,6 +242,8 @@ def main() -> None:
     (args.out / "engine_capped.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     print(table(result))
+    if result.get("rounds"):
+        print(rounds_table(result["rounds"]))
     if result.get("policies"):
         print(policy_table(result))
 
@@ -292,6 +302,44 @@ def bench(args, vram: str, result: dict) -> None:
     tg, pp, ngl = bench_tg(proc)
     result["llama_bench"] = {"args": plan_args, "tg_tok_s": tg, "pp_tok_s": pp, "n_gpu_layers": ngl, "peak_mib": peak,
                              "exit": proc.returncode, "predicted_decode_tok_s": plan["predicted"]["decode_tok_s"]}
+
+
+def rounds(args, vram: str, engine_run) -> dict:
+    """--rounds rounds, each the engine's `run` then llama-bench's tg alone (-p 0, one repetition)
+    at the GGUF's plan: side by side in time, so a machine whose host cores slow down for a while
+    (llama.cpp computes its CPU layers there) weighs on both sides of a round's ratio alike. Each
+    round's ratio, and the medians."""
+    from gemmactl.plan.report import build_plan, plan_dict
+
+    built = build_plan(args.gguf, vram=vram, context=args.context)
+    plan_args = ["-ngl", str(plan_dict(built.plan, built)["llama_cpp_args"]["-ngl"])]
+    rows = []
+    for number in range(1, args.rounds + 1):
+        engine = engine_run(number)
+        proc, peak = run_sampled([args.bench, "-m", args.gguf, "-p", "0", "-n", str(args.tokens), "-r", "1", "-o", "json",
+                                  *plan_args], args.out / f"llama-round-{number}.log")
+        tg, _, _ = bench_tg(proc)
+        ours = engine.get("decode_tok_s")
+        rows.append({"engine_decode_tok_s": ours, "engine_wall_tok_s": engine.get("wall_tok_s"),
+                     "engine_peak_mib": engine.get("peak_mib"), "llama_bench_tg_tok_s": tg, "llama_peak_mib": peak,
+                     "ratio": ours / tg if ours and tg else None})
+    ratios = [row["ratio"] for row in rows if row["ratio"]]
+    median = lambda values: statistics.median(values) if values else None  # noqa: E731
+    return {"llama_bench_args": plan_args, "rounds": rows, "median_ratio": median(ratios),
+            "ratio_range": [min(ratios), max(ratios)] if ratios else None,
+            "median_engine_decode_tok_s": median([r["engine_decode_tok_s"] for r in rows if r["engine_decode_tok_s"]]),
+            "median_llama_bench_tg_tok_s": median([r["llama_bench_tg_tok_s"] for r in rows if r["llama_bench_tg_tok_s"]])}
+
+
+def rounds_table(r: dict) -> str:
+    rows = [f"| round | engine `run` decode tok/s | llama-bench `{' '.join(r['llama_bench_args'])}` tg tok/s | engine ÷ llama.cpp |",
+            "| --- | --- | --- | --- |"]
+    for number, row in enumerate(r["rounds"], start=1):
+        rows.append(f"| {number} | {_num(row['engine_decode_tok_s'])} | {_num(row['llama_bench_tg_tok_s'])} | "
+                    f"{'-' if row['ratio'] is None else format(row['ratio'], '.2f') + '×'} |")
+    median = "-" if r["median_ratio"] is None else f"**{r['median_ratio']:.2f}×**"
+    rows.append(f"| median | {_num(r['median_engine_decode_tok_s'])} | {_num(r['median_llama_bench_tg_tok_s'])} | {median} |")
+    return "\n".join(rows)
 
 
 def _num(value) -> str:
