@@ -6,7 +6,8 @@ The kernels a host layer of the engine runs (runtime/engine/cpu_kernels.py): the
 10,240×2,560 matrix in groups of 32, the int8 row kernel on the same shape, and the dense product,
 in bfloat16 and float32, one token, over 6 distinct matrices (3 dense) so the caches do not serve
 them; GB/s of stored bytes. The profile's `cpu_kernel_bandwidth` is the int4 and int8 pair at the
-default thread count (plan/profile.py).
+default thread count (plan/profile.py), the fastest of its rounds where this script gives the mean
+of five.
 """
 
 from __future__ import annotations

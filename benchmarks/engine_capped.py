@@ -145,7 +145,9 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=380, help="about 512 tokens")
     parser.add_argument("--runs", default="verify,run,bench,accelerate",
                         help="which runs, comma-separated (run: `gemmactl run` on both back ends; run-engine, "
-                             "run-llamacpp: on one; prefetch: the engine again with --no-expert-prefetch)")
+                             "run-llamacpp: on one; prefetch: the engine again with --no-expert-prefetch; no-host: "
+                             "again with no layer on the CPU; rounds: the engine's run and llama-bench alternated; "
+                             "sweep, fit, policies: see above)")
     parser.add_argument("--policies", help="with --runs policies: which of them, comma-separated (default: "
                                            "lru,lfu,hot,off; off is the cache turned off)")
     parser.add_argument("--rounds", type=int, default=3, help="with --runs rounds: how many engine/llama-bench pairs")
@@ -312,7 +314,8 @@ def rounds(args, vram: str, engine_run) -> dict:
     from gemmactl.plan.report import build_plan, plan_dict
 
     built = build_plan(args.gguf, vram=vram, context=args.context)
-    plan_args = ["-ngl", str(plan_dict(built.plan, built)["llama_cpp_args"]["-ngl"])]
+    llama_args = plan_dict(built.plan, built)["llama_cpp_args"]
+    plan_args = ["-ngl", str(llama_args["-ngl"])] + (["-ot", ";".join(llama_args["-ot"])] if llama_args["-ot"] else [])
     rows = []
     for number in range(1, args.rounds + 1):
         engine = engine_run(number)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def head_seconds(engine, repeats: int = 20) -> float:
     x = torch.randn(1, engine.spec.hidden, dtype=engine.dtype, device=engine.device)
     with torch.inference_mode():
         engine.head(x)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(repeats):
             engine.head(x)
@@ -74,7 +77,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for side in sides.values():
             side["steps"].append(step_seconds(side["engine"], side["decoder"], args.steps))
-    report = {"command": "python benchmarks/engine_head.py " + " ".join(f"{k}={v}" for k, v in vars(args).items()),
+    report = {"command": "python " + " ".join(sys.argv),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "results": {}}
     for name, side in sides.items():
         ms = 1e3 * statistics.median(side["steps"])

@@ -60,6 +60,9 @@ def main() -> None:
     engine = timed_steps(artifact, plan, f"plan ({counts['host']} host, {counts['streamed']} streamed)", args.steps)
     layer = engine.layers[plan.index("host")]
     pieces = HostPiecesDecode(engine)
+    pieces.host_x.copy_(torch.randn(pieces.host_x.shape, dtype=pieces.host_x.dtype))  # activations, not what empty held
+    if pieces.host_per_layer is not None:
+        pieces.host_per_layer.copy_(torch.randn(pieces.host_per_layer.shape, dtype=pieces.host_per_layer.dtype))
     threads = [int(t) for t in args.threads.split(",")]
     with torch.inference_mode():
         at, rope, _ = engine.inputs_on(engine.host, torch.tensor([100]), None)

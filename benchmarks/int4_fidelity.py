@@ -181,7 +181,7 @@ def main() -> None:
             start = time.perf_counter()
             results[f"int4-stream {spec}"] = score(reference, torch_logits(model), windows) | {
                 "bytes": size,
-                "bits_per_param": size * 8 / sum(r.numel for r in artifact.records),
+                "bits_per_param": size * 8 / artifact.index["totals"]["params"],  # a copied head is no parameter
                 "layer_bytes": sum(r.nbytes for r in artifact.records if r.layer is not None),
                 "layer_params": sum(r.numel for r in artifact.records if r.layer is not None),
                 "quantize_s": quantize_s,

@@ -72,6 +72,37 @@ def engine_greedy(engine, prompt, steps, chunk=None, decoder=None, bounded=True)
     return tokens, first
 
 
+def test_a_kv_cache_lives_on_the_host_only_when_every_reader_runs_there():
+    """Layers 0 and 1 own their caches; 2 reads 0's, 3 reads 1's (Gemma 4's KV sharing)."""
+    from types import SimpleNamespace
+
+    from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, caches_on_host
+
+    layers = [SimpleNamespace(index=i, kv_from=f) for i, f in enumerate((0, 1, 0, 1))]
+    assert caches_on_host(layers, (HOST, HOST, HOST, HOST)) == {0, 1}
+    assert caches_on_host(layers, (HOST, HOST, RESIDENT, HOST)) == {1}  # a GPU reader keeps 0's on the device
+    assert caches_on_host(layers, (RESIDENT, HOST, STREAMED, STREAMED)) == set()  # a host owner read on the GPU
+    assert caches_on_host(layers, (RESIDENT,) * 4) == set()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, keys", [(1, 1), (1, 37), (1, 600), (5, 37), (16, 600)])
+def test_key_scores_are_the_einsum_of_queries_and_keys(dtype, rows, keys):
+    """The attention's q·k as one product per KV head over the keys as the cache holds them: the
+    einsum's values, bit for bit for one query row (a decode step) on the CPU."""
+    from gemmactl.runtime.engine.ops import key_scores
+
+    torch.manual_seed(0)
+    qg, k = torch.randn(rows, 2, 4, 64, dtype=dtype), torch.randn(keys, 2, 64, dtype=dtype)
+    expected, scores = torch.einsum("tkgd,skd->tkgs", qg, k), key_scores(qg, k)
+    assert scores.shape == expected.shape == (rows, 2, 4, keys)
+    if rows == 1:
+        assert torch.equal(scores, expected)
+    else:
+        assert torch.allclose(scores.float(), expected.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                              atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 @pytest.mark.parametrize("kind", ["dense-ple", "shared-kv", "e2b-tiny", "e4b-tiny", "gemma3-tiny", "moe"])
 def test_engine_logits_and_greedy_tokens_equal_transformers(artifacts, kind):
     from gemmactl.runtime.engine.model import GemmaModel

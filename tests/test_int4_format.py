@@ -166,6 +166,8 @@ def test_an_int4_head_of_its_own_is_quantized_from_the_tied_table(tmp_path):
     artifact = open_artifact(quantize_checkpoint(tmp_path / "ckpt", tmp_path / "art",
                                                  QuantizeOptions(group_size=32, head="int4")).out_dir)
     assert artifact.record("model.embed_tokens.weight").scheme == "int8"
+    params = sum(t.numel() for t in tensors.values())  # the copied head is stored, not counted as the model's
+    assert artifact.index["totals"]["params"] == params and artifact.index["scheme"]["head"] == "int4"
     table = tensors["model.embed_tokens.weight"].float()
     decoded = artifact.load_tensor("lm_head.weight", "cpu", torch.float32)
     step = (table.abs().max() * 2) / 15  # a group's step is at most its range over 15 levels
@@ -173,15 +175,30 @@ def test_an_int4_head_of_its_own_is_quantized_from_the_tied_table(tmp_path):
 
 
 def test_a_model_with_its_own_head_or_an_untied_config_gets_no_second_head(tmp_path):
+    from gemmactl.errors import InvalidOptionError
+
     tensors = small_tensors()
-    with_head = open_checkpoint(make_checkpoint(tmp_path / "a", {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()}))
+    table = tensors["model.embed_tokens.weight"]
+    with_head = open_checkpoint(make_checkpoint(tmp_path / "a", {**tensors, "lm_head.weight": table.clone()}))
     untied = open_checkpoint(make_checkpoint(tmp_path / "b", tensors, {"model_type": "gemma3_text", "tie_word_embeddings": False}))
-    for checkpoint in (with_head, untied):
+    nested = open_checkpoint(make_checkpoint(tmp_path / "c", tensors, {"model_type": "gemma4", "tie_word_embeddings": True,
+                                                                       "text_config": {"tie_word_embeddings": False}}))
+    for checkpoint in (with_head, untied, nested):
         layout = plan_layout(checkpoint, QuantizeOptions(group_size=32, head="int4"))
         assert [r.name for r in layout.records].count("lm_head.weight") == (1 if checkpoint is with_head else 0)
-        assert not layout.sources
-    with pytest.raises(Exception, match="--head must be one of tied, int4"):
+        assert not layout.sources and "head" not in layout.scheme  # nothing added, nothing said
+    # Gemma 4's table sits under language_model; a tower's table is not the head's.
+    gemma4 = {("model.language_model." + name.removeprefix("model.")): t for name, t in tensors.items()}
+    gemma4["model.vision_tower.embed_tokens.weight"] = table[:8].clone()
+    layout = plan_layout(open_checkpoint(make_checkpoint(tmp_path / "d", gemma4)), QuantizeOptions(group_size=32, head="int4"))
+    assert layout.sources == {"lm_head.weight": "model.language_model.embed_tokens.weight"}
+    two = {**tensors, "model.other.embed_tokens.weight": table.clone()}
+    with pytest.raises(InvalidOptionError, match="needs the one token table a tied head reads"):
+        plan_layout(open_checkpoint(make_checkpoint(tmp_path / "e", two)), QuantizeOptions(group_size=32, head="int4"))
+    with pytest.raises(InvalidOptionError, match="--head must be one of tied, int4"):
         QuantizeOptions(head="int8").check()
+    with pytest.raises(InvalidOptionError, match="adds nothing to --embeddings int4"):
+        QuantizeOptions(head="int4", embeddings="int4").check()
 
 
 def test_index_round_trip(tmp_path):

@@ -25,7 +25,7 @@ MODES = {"int4_stream": "--int4-stream", "gguf": "--gguf TYPE"}
 @click.option("--shard-size", default="1GiB", show_default=True, metavar="SIZE", help="Largest shard file, e.g. 512MiB or 2GB.")
 @click.option("--embeddings", type=click.Choice(["int4", "int8", "bf16"]), default="int8", show_default=True, help="How to store the token and per-layer embedding tables.")
 @click.option("--sensitive", type=click.Choice(["int8", "int4"]), default="int8", show_default=True, help="How to store the attention v_proj and MLP down_proj weights (--int4-stream).")
-@click.option("--head", type=click.Choice(["tied", "int4"]), default="tied", show_default=True, help="A tied model's output head (--int4-stream): the embedding table as stored, or an int4 copy of its own (half the int8 table's GPU memory and reads; its fidelity: docs/benchmarks.md).")
+@click.option("--head", type=click.Choice(["tied", "int4"]), default="tied", show_default=True, help="A tied model's output head (--int4-stream): the embedding table as stored, or an int4 copy of its own (about 0.6× the int8 table's GPU memory and reads; its fidelity: docs/benchmarks.md).")
 @click.option("--force", is_flag=True, help="Replace an existing artifact, or start an unfinished one over.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the result as one JSON object (no progress bar).")
 def quantize(model, int4_stream, gguf_type, out, imatrix, calibration, group_size, shard_size, embeddings, sensitive, head, force,
@@ -93,7 +93,7 @@ def quantize(model, int4_stream, gguf_type, out, imatrix, calibration, group_siz
     calibrated = f", calibrated on {calibration.name}" if calibration else ""
     click.echo(
         f"Quantized {model} → {artifact.name} ({artifact.extra['scheme']}, embeddings {embeddings}, "
-        f"sensitive {sensitive}{', head int4' if head == 'int4' else ''}{calibrated})"
+        f"sensitive {sensitive}{', head int4' if result.index['scheme'].get('head') else ''}{calibrated})"
     )
     click.echo(f"  {artifact.path}")
     click.echo(

@@ -94,6 +94,7 @@ def quantize_int4_stream(
             "group_size": group_size,
             "embeddings": embeddings,
             "sensitive": sensitive,
+            "head": result.index["scheme"].get("head", "tied"),
             "calibration": calibration.name if calibration else None,
             "model_type": result.index["config"].get("model_type"),
             "params": result.index["totals"]["params"],

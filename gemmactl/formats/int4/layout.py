@@ -69,6 +69,8 @@ class QuantizeOptions:
             raise InvalidOptionError(f"--sensitive must be one of {', '.join(SENSITIVE_POLICIES)}, got {self.sensitive}")
         if self.head not in HEAD_POLICIES:
             raise InvalidOptionError(f"--head must be one of {', '.join(HEAD_POLICIES)}, got {self.head}")
+        if self.head == "int4" and self.embeddings == "int4":
+            raise InvalidOptionError("--head int4 adds nothing to --embeddings int4: the tied head is int4 already")
         if self.calibration is not None and not self.search:
             raise InvalidOptionError("calibration weighs the int4 search; it needs search=True")
         if self.shard_size < MIN_SHARD_SIZE:
@@ -82,7 +84,6 @@ class QuantizeOptions:
             "group_size": self.group_size,
             "embeddings": self.embeddings,
             "sensitive": self.sensitive,
-            **({"head": self.head} if self.head != "tied" else {}),  # tied: as every artifact before the option
             "fit": "mse-search" if self.search else "minmax",
             "calibration": self.calibration.describe() if self.calibration else None,
             "scale_dtype": "float16",
@@ -202,7 +203,7 @@ def plan_layout(checkpoint: Checkpoint, options: QuantizeOptions) -> Layout:
             record.shard = name
         files.append((name, max(HEADER_SIZE, max(r.offset + r.nbytes for r in members))))
     ordered = [record for members in shards for record in members]
-    scheme = options.scheme()
+    scheme = options.scheme() | ({"head": "int4"} if sources else {})  # absent: the head is the table, as before the option
     plan = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -215,8 +216,8 @@ def plan_layout(checkpoint: Checkpoint, options: QuantizeOptions) -> Layout:
 
 
 def _tied_table(checkpoint: Checkpoint) -> SourceTensor | None:
-    """The token table a tied model's head reads, or None (the model has a head of its own, or
-    says its head is not tied): `--head int4` then changes nothing, the head being int4 already."""
+    """The token table a tied model's head reads, or None where the model has a head of its own or
+    says it is not tied (`--head int4` then adds nothing: that head is an int4 matrix already)."""
     if any(tensor.name.endswith(HEAD) for tensor in checkpoint.tensors):
         return None
     config = checkpoint.config
@@ -225,4 +226,8 @@ def _tied_table(checkpoint: Checkpoint) -> SourceTensor | None:
         return None
     tables = [t for t in checkpoint.tensors if TOKEN_TABLE.search(t.name) and tensor_layer(t.name) is None
               and "vision" not in t.name and "audio" not in t.name and len(t.shape) == 2]
-    return tables[0] if len(tables) == 1 else None
+    if len(tables) != 1:
+        found = ", ".join(t.name for t in tables) or "none"
+        raise InvalidOptionError(f"--head int4 needs the one token table a tied head reads; found {found}",
+                                 hint="Quantize without --head.")
+    return tables[0]

@@ -85,7 +85,7 @@ def write_artifact(
 
         importance = collect_importance(checkpoint.path, options.calibration)
     by_name = {tensor.name: tensor for tensor in checkpoint.tensors}
-    source_total = sum(_source_bytes(by_name[layout.source_of(r)], r) for r in layout.records)
+    source_total = sum(_source_bytes(by_name[r.name], r) for r in layout.records if r.name not in layout.sources)
     # Progress counts work, not bytes: an int4 group search costs hundreds of times an int8 row
     # per weight, so a byte count said "5 s left" at 63% of a model whose embedding tables come first.
     total = sum(_work(r, options.search) for r in layout.records)
@@ -131,7 +131,8 @@ def write_artifact(
 
 def build_index(checkpoint: Checkpoint, layout: Layout, *, source, revision, tokenizer) -> dict:
     """The index.json document ("format" first, so a reader can tell the format from the first bytes)."""
-    params = sum(record.numel for record in layout.records)
+    # A head copied from the token table (`--head int4`) is stored, but is no parameter of the model.
+    params = sum(record.numel for record in layout.records if record.name not in layout.sources)
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,

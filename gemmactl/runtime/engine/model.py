@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from gemmactl.runtime.engine import kv_attention
 from gemmactl.runtime.engine.kernels import Linear, RepackCache, join_linears, joining, make_linear
 from gemmactl.runtime.engine.kv import KVCache, make_cache
-from gemmactl.runtime.engine.ops import rms_norm
-from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
+from gemmactl.runtime.engine.ops import key_scores, rms_norm
+from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement, caches_on_host
 from gemmactl.runtime.engine.streaming import LayerStreamer, StagedLayer
 from gemmactl.runtime.engine.spec import SLIDING, LayerSpec, ModelSpec, artifact_spec, rope_frequencies, rope_rows, score_rows
 
@@ -206,11 +206,7 @@ class GemmaModel:
         if self.repack is not None:
             self.repack.save()
         self.caches: dict[int, KVCache] = {}
-        # A cache lives in host memory only when every layer reading it runs there: a layer on the
-        # GPU reading it would copy it across the link each token (and could not be captured). The
-        # plan puts no such layer on the host; a hand-made placement still decodes, eagerly slow.
-        on_host = {layer.kv_from for layer in spec.layers if self.where[layer.index] == HOST} - \
-                  {layer.kv_from for layer in spec.layers if self.where[layer.index] != HOST}
+        on_host = caches_on_host(spec.layers, self.where)
         for layer in spec.layers:
             if layer.owns_kv:
                 ring = layer.kind == SLIDING and 0 < spec.window and spec.window + spare_slots < context
@@ -557,7 +553,7 @@ class GemmaModel:
         """q·k scaled (soft-capped where the model does), unseen keys at the dtype's minimum:
         [T, K, g, S] for query rows qg [T, K, g, D] at positions [T]."""
         spec = self.spec
-        scores = torch.einsum("tkgd,skd->tkgs", qg, k) * spec.query_scale  # [T, K, g, S]
+        scores = key_scores(qg, k) * spec.query_scale  # [T, K, g, S]
         if spec.attn_softcap:
             scores = torch.tanh(scores / spec.attn_softcap) * spec.attn_softcap
         seen = key_positions[None, :] <= positions[:, None]  # [T, S] causal (and written: -1 < any position)

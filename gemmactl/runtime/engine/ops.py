@@ -27,3 +27,18 @@ def in_row_blocks(flat: torch.Tensor, out_features: int, in_features: int, decod
         rows = slice(start, start + step)
         out[:, rows] = F.linear(flat, decode_rows(rows))
     return out
+
+
+def key_scores(qg: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q·k for query rows qg [T, K, g, D] over keys k [S, K, D]: [T, K, g, S], unscaled.
+
+    One batched product per KV head over the keys as the cache lays them out ([K, S, D] strided,
+    rows contiguous), the queries of a head's group side by side. The same products as
+    einsum("tkgd,skd->tkgs"), bit for bit on the CPU (tested), but einsum first made the keys
+    [K, D, S] contiguous, a copy of the whole cache read each step: on 2 cores a decode step's
+    scores over 4,096 keys of a 256-dim head took 6.2 ms that way against 1.2 ms this way."""
+    t, heads, groups, dim = qg.shape
+    q = qg.permute(1, 0, 2, 3).reshape(heads, t * groups, dim)  # [K, T·g, D]
+    scores = torch.matmul(k.transpose(0, 1), q.transpose(1, 2))  # [K, S, T·g]
+    return scores.transpose(1, 2).reshape(heads, t, groups, k.shape[0]).permute(1, 0, 2, 3)
+

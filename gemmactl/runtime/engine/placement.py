@@ -53,3 +53,16 @@ class EnginePlacement:
     def summary(self) -> str:
         parts = [f"{self.count(kind)} {kind}" for kind in KINDS if self.count(kind)]
         return ", ".join(parts) + (", tables in host memory" if self.tables_on_host else "")
+
+
+def caches_on_host(layers, kinds: tuple[str, ...]) -> set[int]:
+    """The layers whose KV caches live in host memory: those whose every reader (the layer, and
+    the layers sharing its cache: each layer's kv_from) runs on the host. A GPU layer reading a
+    cache in host memory would copy it across the link every token, and could not be captured;
+    the plan makes no such placement, and a hand-made one keeps that cache on the device, where the
+    host layer writes it (eagerly, across the link) and reads it back."""
+    readers: dict[int, set[str]] = {}
+    for layer in layers:
+        readers.setdefault(layer.kv_from, set()).add(kinds[layer.index])
+    return {owner for owner, where in readers.items() if where == {HOST}}
+
