@@ -87,20 +87,25 @@ def test_a_kv_cache_lives_on_the_host_only_when_every_reader_runs_there():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, keys", [(1, 1), (1, 37), (1, 600), (5, 37), (16, 600)])
-def test_key_scores_are_the_einsum_of_queries_and_keys(dtype, rows, keys):
-    """The attention's q·k as one product per KV head over the keys as the cache holds them: the
-    einsum's values, bit for bit for one query row (a decode step) on the CPU."""
-    from gemmactl.runtime.engine.ops import key_scores
+def test_key_scores_and_weighted_values_are_the_einsums_they_replace(dtype, rows, keys):
+    """The attention's q·k and its weights' product with the values, each one product per KV head
+    over the cache's own layout: the einsums' values, bit for bit for one query row (a decode
+    step) on the CPU."""
+    from gemmactl.runtime.engine.ops import key_scores, weighted_values
 
     torch.manual_seed(0)
     qg, k = torch.randn(rows, 2, 4, 64, dtype=dtype), torch.randn(keys, 2, 64, dtype=dtype)
-    expected, scores = torch.einsum("tkgd,skd->tkgs", qg, k), key_scores(qg, k)
-    assert scores.shape == expected.shape == (rows, 2, 4, keys)
-    if rows == 1:
-        assert torch.equal(scores, expected)
-    else:
-        assert torch.allclose(scores.float(), expected.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
-                              atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    weights, v = torch.softmax(torch.randn(rows, 2, 4, keys), -1).to(dtype), torch.randn(keys, 2, 64, dtype=dtype)
+    pairs = [(key_scores(qg, k), torch.einsum("tkgd,skd->tkgs", qg, k)),
+             (weighted_values(weights, v), torch.einsum("tkgs,skd->tkgd", weights, v))]
+    assert pairs[0][0].shape == (rows, 2, 4, keys) and pairs[1][0].shape == (rows, 2, 4, 64)
+    for ours, expected in pairs:
+        assert ours.shape == expected.shape
+        if rows == 1:
+            assert torch.equal(ours, expected)
+        else:
+            tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            assert torch.allclose(ours.float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("kind", ["dense-ple", "shared-kv", "e2b-tiny", "e4b-tiny", "gemma3-tiny", "moe"])

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from gemmactl.runtime.engine import kv_attention
 from gemmactl.runtime.engine.kernels import Linear, RepackCache, join_linears, joining, make_linear
 from gemmactl.runtime.engine.kv import KVCache, make_cache
-from gemmactl.runtime.engine.ops import key_scores, rms_norm
+from gemmactl.runtime.engine.ops import key_scores, rms_norm, weighted_values
 from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement, caches_on_host
 from gemmactl.runtime.engine.streaming import LayerStreamer, StagedLayer
 from gemmactl.runtime.engine.spec import SLIDING, LayerSpec, ModelSpec, artifact_spec, rope_frequencies, rope_rows, score_rows
@@ -530,7 +530,7 @@ class GemmaModel:
             weights = torch.exp(scores - new_most[..., None])  # [T, K, g, B]
             kept = torch.exp(most - new_most)
             total = total * kept + weights.sum(-1)
-            summed = summed * kept[..., None] + torch.einsum("tkgs,skd->tkgd", weights.to(q.dtype), v).float()
+            summed = summed * kept[..., None] + weighted_values(weights.to(q.dtype), v).float()
             most = new_most
         out = (summed / total[..., None]).to(q.dtype)  # [T, K, g, D]
         return self._attended(layer, out, rotation, offset)
@@ -568,7 +568,7 @@ class GemmaModel:
         qg = q.reshape(t, s.kv_heads, groups, s.head_dim)  # [T, K, g, D]
         scores = self._masked_scores(s, qg, k, key_positions, positions)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.einsum("tkgs,skd->tkgd", weights, v)  # [T, K, g, D]
+        return weighted_values(weights, v)  # [T, K, g, D]
 
     def memory(self) -> dict:
         """Bytes by place: weights on the device and in host memory, the staging areas, KV caches,
