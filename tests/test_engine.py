@@ -162,6 +162,11 @@ def test_an_int4_head_of_its_own_decodes_as_transformers_holding_it(kind, tmp_pa
     assert heads == {"tied": linear_bytes("int8", shape, None, cuda=True), "int4": linear_bytes("int4", shape, 32, cuda=True)}
     e4b = (262144, 2560)
     assert linear_bytes("int4", e4b, 32, cuda=True) < 0.65 * linear_bytes("int8", e4b, None, cuda=True)
+    from gemmactl.plan.inventory import inventory_from_int4
+
+    inventory = inventory_from_int4(tmp_path / "int4")  # llama.cpp's side of the plan: the head is not the table
+    assert not inventory.output_tied and inventory.globals["output"] == artifact.record("lm_head.weight").nbytes
+    assert inventory_from_int4(tmp_path / "tied").output_tied
 
 
 @pytest.mark.parametrize("kind", ["e2b-tiny", "gemma3-tiny", "moe"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gemmactl.errors import InvalidOptionError, NotACheckpointError, UnsupportedModelError
@@ -252,6 +252,8 @@ def inventory_from_int4(path: Path) -> Inventory:
 
     index = read_index(path)
     shape = shape_from_config(index.get("config") or {})
+    if any(record["name"] == "lm_head.weight" for record in index.get("tensors", [])):
+        shape = replace(shape, tied_output=False)  # a head of its own (`quantize --head int4`), whatever the config says
     inventory = Inventory("int4-stream", str(path), str(index.get("scheme", {}).get("name", "int4")), shape, _empty_layers(shape))
     for record in index.get("tensors", []):
         dims = tuple(int(d) for d in record["shape"])
