@@ -54,4 +54,3 @@ def weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     w = weights.permute(1, 0, 2, 3).reshape(heads, t * groups, keys)  # [K, T·g, S]
     out = torch.matmul(w, v.transpose(0, 1))  # [K, T·g, D]
     return out.reshape(heads, t, groups, v.shape[-1]).permute(1, 0, 2, 3)
-

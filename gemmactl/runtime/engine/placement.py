@@ -65,4 +65,3 @@ def caches_on_host(layers, kinds: tuple[str, ...]) -> set[int]:
     for layer in layers:
         readers.setdefault(layer.kv_from, set()).add(kinds[layer.index])
     return {owner for owner, where in readers.items() if where == {HOST}}
-
