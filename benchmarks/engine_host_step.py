@@ -1,11 +1,11 @@
 """Where a captured step with layers on the CPU spends its time (CUDA).
 
-    python benchmarks/engine_host_step.py ARTIFACT PLAN.json [--steps 40] [--threads 16,8,4]
+    python benchmarks/engine_host_step.py ARTIFACT PLAN.json [--steps 40] [--threads 16,8,4] [--start 5]
 
 PLAN.json: `gemmactl plan ARTIFACT --backend int4 ... --json`; its engine map's layers are loaded
 as they are (the cap is not enforced), and:
 - the step as planned (host pieces captured between the host's layers), ms a step at positions
-  5 to 5 + --steps;
+  --start to --start + --steps (the cache before --start holds what empty held: timing only);
 - one host layer alone on the CPU (the engine's own layer code, 1 token at position 100) at each
   thread count, and torch's profile of it at the first (the kernels against everything else);
 - the same map with the streamed layers resident (the host's layers alone) and with the host's
@@ -28,21 +28,21 @@ from gemmactl.runtime.engine.model import GemmaModel
 from gemmactl.runtime.engine.placement import EnginePlacement
 
 
-def timed_steps(artifact, layers: tuple, label: str, steps: int):
+def timed_steps(artifact, layers: tuple, label: str, steps: int, first: int = 5):
     engine = GemmaModel(artifact, device="cuda", dtype=torch.bfloat16, context=4096,
                         placement=EnginePlacement(layers, tables_on_host=True))
     step = DecodeStep(engine)
     token = torch.tensor([2], device="cuda")
     with torch.inference_mode():
-        for position in range(5):
+        for position in range(first - 5, first):
             step(token, position)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for position in range(5, 5 + steps):
+        for position in range(first, first + steps):
             step(token, position)
         torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / steps
-    print(f"{label}: {seconds * 1e3:.2f} ms/step ({1 / seconds:.1f} tok/s) threads {torch.get_num_threads()}",
+    print(f"{label}: {seconds * 1e3:.2f} ms/step at positions {first}-{first + steps - 1} ({1 / seconds:.1f} tok/s) threads {torch.get_num_threads()}",
           flush=True)
     return engine
 
@@ -53,11 +53,14 @@ def main() -> None:
     parser.add_argument("plan", type=Path)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", default="16,8,4")
+    parser.add_argument("--start", default="5", help="first positions of the planned step's timings, comma-separated")
     args = parser.parse_args()
     artifact = open_artifact(args.artifact)
     plan = tuple(json.loads(args.plan.read_text())["engine"]["layers"])
     counts = {kind: plan.count(kind) for kind in ("host", "streamed")}
-    engine = timed_steps(artifact, plan, f"plan ({counts['host']} host, {counts['streamed']} streamed)", args.steps)
+    label = f"plan ({counts['host']} host, {counts['streamed']} streamed)"
+    for first in [int(p) for p in args.start.split(",")]:
+        engine = timed_steps(artifact, plan, label, args.steps, max(5, first))
     layer = engine.layers[plan.index("host")]
     pieces = HostPiecesDecode(engine)
     pieces.host_x.copy_(torch.randn(pieces.host_x.shape, dtype=pieces.host_x.dtype))  # activations, not what empty held
