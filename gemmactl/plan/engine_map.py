@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gemmactl.errors import BudgetTooSmallError
+from gemmactl.formats.int4.spec import HEAD_NAME
 from gemmactl.runtime.engine.expert_settings import EXPERT_SCRATCH_ROWS
 from gemmactl.sizes import format_size
 
@@ -144,7 +145,7 @@ def _costs(index: dict, spec, context: int, kv_mode: str | None = None, spare_sl
             tables["token"] += int(record["nbytes"])
             if spec.tied:
                 globals_["head"] += linear_bytes("int8" if scheme == "int8" else scheme, shape, None, cuda=True)
-        elif name.endswith("lm_head.weight"):
+        elif name.endswith(HEAD_NAME):
             globals_["head"] += linear_bytes(scheme, shape, record.get("group_size"), cuda=True)
         elif record.get("expert") is not None:
             key = (int(record["layer"]), int(record["expert"]))
@@ -581,9 +582,9 @@ def cpu_decode_tok_s(artifact: Path, profile, context: int, kv_mode: str | None 
     dense_globals = 0
     for record in index.get("tensors", []):
         name, shape = record["name"], tuple(record["shape"])
-        head = name.endswith("lm_head.weight") or (spec.tied and name.endswith("embed_tokens.weight"))
+        head = name.endswith(HEAD_NAME) or (spec.tied and name.endswith("embed_tokens.weight"))
         projection = len(shape) == 2 and record.get("layer") is None and record.get("expert") is None \
-            and not name.endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight", "lm_head.weight"))
+            and not name.endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight", HEAD_NAME))
         if head or projection:
             dense_globals += linear_bytes(record["scheme"], shape, record.get("group_size"), cuda=False)
     rate = profile.host_kernel_bandwidth

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from gemmactl.errors import InvalidOptionError, NotACheckpointError, UnsupportedModelError
 from gemmactl.formats.int4.checkpoint import read_safetensors_header, safetensors_files
+from gemmactl.formats.int4.spec import HEAD_NAME
 from gemmactl.plan.model_shape import ModelShape, shape_from_config, shape_from_gguf, tensors_from_config
 from gemmactl.plan.quant import check_quant, intended_bytes
 
@@ -92,7 +93,7 @@ def _hf_global(name: str) -> str | None:
         return "token_embd"
     if "per_layer_model_projection" in name or "per_layer_projection_norm" in name:
         return "per_layer_proj"
-    if name.endswith("lm_head.weight"):
+    if name.endswith(HEAD_NAME):
         return "output"
     return "output_norm"
 
@@ -119,7 +120,7 @@ def hf_role(name: str, shape: tuple[int, ...]) -> str:
         return "token_embd"
     if "per_layer_model_projection" in name:
         return "per_layer_proj"
-    if name.endswith("lm_head.weight"):
+    if name.endswith(HEAD_NAME):
         return "output"
     if "router" in name:
         return "router"
@@ -252,7 +253,7 @@ def inventory_from_int4(path: Path) -> Inventory:
 
     index = read_index(path)
     shape = shape_from_config(index.get("config") or {})
-    if any(record["name"] == "lm_head.weight" for record in index.get("tensors", [])):
+    if any(record["name"] == HEAD_NAME for record in index.get("tensors", [])):
         shape = replace(shape, tied_output=False)  # a head of its own (`quantize --head int4`), whatever the config says
     inventory = Inventory("int4-stream", str(path), str(index.get("scheme", {}).get("name", "int4")), shape, _empty_layers(shape))
     for record in index.get("tensors", []):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gemmactl.errors import UnsupportedModelError
+from gemmactl.formats.int4.spec import HEAD_NAME
 
 SUPPORTED = ("gemma3", "gemma4")
 _MODEL_TYPES = {"gemma3": "gemma3", "gemma3_text": "gemma3", "gemma4": "gemma4", "gemma4_text": "gemma4"}
@@ -257,5 +258,5 @@ def tensors_from_config(shape: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
             (f"{prefix}.per_layer_projection_norm.weight", (shape.per_layer_hidden,)),
         ]
     if not shape.tied_output:
-        tensors.append(("lm_head.weight", (shape.vocab, h)))
+        tensors.append((HEAD_NAME, (shape.vocab, h)))
     return tensors

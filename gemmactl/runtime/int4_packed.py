@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from gemmactl.formats.int4.quant import dequantize_int4, dequantize_int8_rows
 from gemmactl.formats.int4.reader import PackedTensor
+from gemmactl.formats.int4.spec import HEAD_NAME
 
 PACKED_SCHEMES = ("int4", "int8")
 
@@ -129,7 +130,7 @@ def build_packed_model(artifact, dtype=None, device="cpu", tables_device="cpu"):
     tied = _tied(model)
     head = model.get_output_embeddings() if tied else None
     head_source = None
-    if tied and head is not None and "lm_head.weight" not in artifact.tensor_names():
+    if tied and head is not None and HEAD_NAME not in artifact.tensor_names():
         embeddings = model.get_input_embeddings()
         head_source = next((path for path, module in modules.items() if module is embeddings), None)
     dense: dict[str, torch.Tensor] = {}

@@ -20,6 +20,7 @@ from gemmactl.formats.int4.spec import (
     FORMAT_NAME,
     FORMAT_VERSION,
     GROUP_SIZES,
+    HEAD_NAME,
     HEAD_POLICIES,
     HEADER_SIZE,
     SENSITIVE_POLICIES,
@@ -38,7 +39,7 @@ EXPERTS = ".experts."
 # projection and the MLP down projection (llama.cpp's Q4_K_M gives these two 6 bits in about half the layers).
 SENSITIVE = re.compile(r"(?:^|\.)(?:v_proj|down_proj)\.weight$")
 SMALL_NUMEL = 1024  # 2-D tensors (or experts) smaller than this are kept as they are
-HEAD = "lm_head.weight"
+HEAD = HEAD_NAME
 # The text model's token table: a tied model's head (not the per-layer table, not a tower's).
 TOKEN_TABLE = re.compile(r"(?:^|\.)embed_tokens\.weight$")
 MIN_SHARD_SIZE = 1 << 20

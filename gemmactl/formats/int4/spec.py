@@ -28,6 +28,7 @@ SENSITIVE_POLICIES = ("int4", "int8")  # what v_proj and down_proj weights becom
 # A tied model's output head: the embedding table as stored ("tied"), or an int4 copy of its own
 # (lm_head.weight, quantized from the same source weights; the table stays as --embeddings says).
 HEAD_POLICIES = ("tied", "int4")
+HEAD_NAME = "lm_head.weight"  # an output head of its own, tied models' with --head int4 among them
 SCHEMES = ("int4", "int8", "raw")
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}

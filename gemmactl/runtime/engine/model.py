@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from gemmactl.formats.int4.spec import HEAD_NAME
 from gemmactl.runtime.engine import kv_attention
 from gemmactl.runtime.engine.kernels import Linear, RepackCache, join_linears, joining, make_linear
 from gemmactl.runtime.engine.kv import KVCache, make_cache
@@ -224,7 +225,7 @@ class GemmaModel:
     # -- weights ---------------------------------------------------------------------------------
 
     def _name(self, short: str) -> str:
-        return short if short == "lm_head.weight" else self.prefix + short
+        return short if short == HEAD_NAME else self.prefix + short
 
     def _record(self, short: str):
         return self.artifact.record(self._name(short))
@@ -250,8 +251,8 @@ class GemmaModel:
         return ("dense", self.artifact.decode(record, device, self.dtype), None)
 
     def _head(self) -> Linear:
-        if "lm_head.weight" in self.artifact.tensor_names():
-            return self._linear("lm_head.weight")
+        if HEAD_NAME in self.artifact.tensor_names():
+            return self._linear(HEAD_NAME)
         return make_linear(self.artifact, self._record("embed_tokens.weight"), self.device, self.dtype, self.repack)
 
     def _layer(self, spec: LayerSpec, device) -> Layer:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gemmactl.errors import UnsupportedModelError
+from gemmactl.formats.int4.spec import HEAD_NAME
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 FAMILIES = {"gemma3": "gemma3", "gemma3_text": "gemma3", "gemma4": "gemma4", "gemma4_text": "gemma4"}
@@ -134,7 +135,7 @@ def model_spec(config: dict, shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
         final_softcap=getattr(hf, "final_logit_softcapping", None),
         ple_dim=ple,
         moe=moe,
-        tied="lm_head.weight" not in shapes,
+        tied=HEAD_NAME not in shapes,
     )
 
 
