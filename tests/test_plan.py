@@ -11,7 +11,7 @@ from gemmactl.errors import BudgetTooSmallError, InvalidOptionError
 from gemmactl.machine import Gpu, Machine
 from gemmactl.plan.inventory import Inventory, LayerInventory
 from gemmactl.plan.model_shape import ModelShape
-from gemmactl.plan.profile import load_profile
+from gemmactl.plan.profile import fastest_seconds, load_profile
 from gemmactl.sizes import parse_size
 from gemmactl.plan.solver import Budget, Placement, evaluate, kv_bytes, kv_cells, plan_placement
 
@@ -231,3 +231,10 @@ def test_auto_parallel_sizes_slots_for_the_tiers_kv_cache_type(embedded_gguf, is
 
     f16, q8, q4 = slots(None), slots("q8_0"), slots("q4_0")
     assert f16 == slots("f16") and f16 < q8 <= q4
+
+
+def test_the_profile_keeps_the_fastest_round_not_one_slowed_by_other_work():
+    ticks = iter([0.0, 1.0, 1.0, 9.0, 9.0, 9.5, 9.5, 12.0])  # rounds of 1, 8 (the cores shared), 0.5, 2.5
+    calls = []
+    assert fastest_seconds(lambda: calls.append(1), 4, clock=lambda: next(ticks)) == 0.5
+    assert len(calls) == 4

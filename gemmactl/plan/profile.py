@@ -179,6 +179,18 @@ def _cpu_bandwidth(size: int = 256 << 20, repeats: int = 4) -> float:
     return 2 * size * repeats / elapsed
 
 
+def fastest_seconds(work, rounds: int, clock=time.perf_counter) -> float:
+    """The shortest of rounds timings of work(). The fastest, not the median: a round that shared
+    the cores with other work (a compile, say) ran at a fraction of the rate, and a profile is kept
+    until `plan --profile` measures again."""
+    fastest = float("inf")
+    for _ in range(rounds):
+        start = clock()
+        work()
+        fastest = min(fastest, clock() - start)
+    return fastest
+
+
 def _cpu_kernel_bandwidth(copies: int = 6, repeats: int = 5) -> float:
     """Bytes/s of the engine's CPU kernels over E4B-sized MLP pairs: a 10,240×2,560 int4 matrix
     (groups of 32) and a 2,560×10,240 int8 one, one token each, as a decode step runs them
@@ -207,15 +219,9 @@ def _cpu_kernel_bandwidth(copies: int = 6, repeats: int = 5) -> float:
             torch.ops.aten._weight_int4pack_mm_for_cpu(x4, packed, group, sz)
             torch.ops.aten._weight_int8pack_mm(x8, weights, scales)
 
-    # The fastest of the rounds: a round that shared the cores with other work (a compile, say)
-    # read at a fraction of the rate, and a profile is kept until `plan --profile` measures again.
-    fastest = float("inf")
     with torch.inference_mode():
-        once()
-        for _ in range(repeats):
-            start = time.perf_counter()
-            once()
-            fastest = min(fastest, time.perf_counter() - start)
+        once()  # warm up
+        fastest = fastest_seconds(once, repeats)
     nbytes = codes.numel() * codes.element_size() + scales_zeros.numel() * 2 + int8.numel() + int8_scales.numel() * 2
     return copies * nbytes / fastest
 
