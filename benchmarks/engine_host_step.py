@@ -1,6 +1,6 @@
 """Where a captured step with layers on the CPU spends its time (CUDA).
 
-    python benchmarks/engine_host_step.py ARTIFACT PLAN.json [--steps 40] [--threads 16,8,4] [--start 5]
+    python benchmarks/engine_host_step.py ARTIFACT PLAN.json [--steps 40] [--threads 16,8,4] [--start 5] [--plan-only]
 
 PLAN.json: `gemmactl plan ARTIFACT --backend int4 ... --json`; its engine map's layers are loaded
 as they are (the cap is not enforced), and:
@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("plan", type=Path)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", default="16,8,4")
+    parser.add_argument("--plan-only", action="store_true", help="only the planned step's timings")
     parser.add_argument("--start", default="5", help="first positions of the planned step's timings, comma-separated")
     args = parser.parse_args()
     artifact = open_artifact(args.artifact)
@@ -61,6 +62,8 @@ def main() -> None:
     label = f"plan ({counts['host']} host, {counts['streamed']} streamed)"
     for first in [int(p) for p in args.start.split(",")]:
         engine = timed_steps(artifact, plan, label, args.steps, max(5, first))
+    if args.plan_only:
+        return
     layer = engine.layers[plan.index("host")]
     pieces = HostPiecesDecode(engine)
     pieces.host_x.copy_(torch.randn(pieces.host_x.shape, dtype=pieces.host_x.dtype))  # activations, not what empty held

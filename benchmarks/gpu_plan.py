@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -40,23 +39,17 @@ def free_mib() -> int:
 
 
 def run_sampled(cmd: list[str], log: Path) -> tuple[subprocess.CompletedProcess, int]:
-    """Run cmd, sampling device memory every 50 ms; (result, peak MiB above the idle baseline)."""
-    baseline, peak, stop = used_mib(), [0], threading.Event()
+    """Run cmd, sampling device memory every 50 ms with one looping nvidia-smi (machine.SmiPeak:
+    an nvidia-smi a sample kept a core busy and slowed work on every core); (result, peak MiB
+    above the idle baseline)."""
+    from gemmactl.machine import SmiPeak
 
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], used_mib())
-            stop.wait(0.05)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
+    baseline = used_mib()
+    with SmiPeak(["--id=0", "--query-gpu=memory.used"],
+                 lambda parts: int(float(parts[0])) if parts and parts[0].replace(".", "").isdigit() else None) as watch:
         proc = subprocess.run(cmd, capture_output=True, text=True)
-    finally:
-        stop.set()
-        thread.join()
     log.write_text("$ " + " ".join(cmd) + "\n" + proc.stderr)
-    return proc, max(0, peak[0] - baseline)
+    return proc, max(0, max(watch.peak, used_mib()) - baseline)
 
 
 def bench_tg(proc: subprocess.CompletedProcess) -> tuple[float | None, float | None, int | None]:

@@ -7,6 +7,7 @@ import platform
 import re
 import shutil
 import subprocess
+import threading
 from dataclasses import asdict, dataclass, field
 
 
@@ -110,6 +111,64 @@ def detect_machine() -> Machine:
         gpus=nvidia_gpus(),
         cuda_toolkit=cuda_toolkit(),
     )
+
+
+class SmiPeak:
+    """The largest figure one nvidia-smi query reports while it runs, read from a single nvidia-smi
+    that repeats the query every interval_ms (`--loop-ms`) on its own.
+
+    Not a new nvidia-smi for each sample: each of those takes a core for tens of milliseconds, and
+    sampling every 50 ms that way kept about one core of the host busy; work spread over every core
+    (llama.cpp's CPU layers, the engine's host layers) waits for its slowest thread, so it ran
+    slower while it was being measured. query: e.g. ["--query-compute-apps=pid,used_memory"];
+    value(fields) gives a line's figure (a size), or None to skip the line."""
+
+    def __init__(self, query: list[str], value, interval_ms: int = 50):
+        self.peak = 0
+        self._value = value
+        self._command = ["nvidia-smi", *query, "--format=csv,noheader,nounits", f"--loop-ms={interval_ms}"]
+        self._proc = None
+        self._thread = None
+
+    def __enter__(self):
+        if shutil.which("nvidia-smi"):
+            try:
+                self._proc = subprocess.Popen(self._command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                              text=True)
+            except OSError:
+                self._proc = None
+        if self._proc is not None:
+            self._thread = threading.Thread(target=self._read, daemon=True)
+            self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            figure = self._value([part.strip() for part in line.split(",")])
+            if figure is not None:
+                self.peak = max(self.peak, figure)
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._thread.join(timeout=5)
+
+
+def process_gpu_peak() -> SmiPeak:
+    """A context in which SmiPeak follows this process's GPU memory (CUDA context included)."""
+    pid = str(os.getpid())
+
+    def value(parts: list[str]) -> int | None:
+        if len(parts) == 2 and parts[0] == pid and parts[1].isdigit():
+            return int(parts[1]) * 1024 * 1024
+        return None
+
+    return SmiPeak(["--query-compute-apps=pid,used_memory"], value)
 
 
 def process_gpu_bytes() -> int:

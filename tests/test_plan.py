@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 
 from conftest import invoke
 from gemmactl.errors import BudgetTooSmallError, InvalidOptionError
-from gemmactl.machine import Gpu, Machine
+from gemmactl.machine import Gpu, Machine, process_gpu_peak
 from gemmactl.plan.inventory import Inventory, LayerInventory
 from gemmactl.plan.model_shape import ModelShape
 from gemmactl.plan.profile import fastest_seconds, load_profile
@@ -238,3 +240,28 @@ def test_the_profile_keeps_the_fastest_round_not_one_slowed_by_other_work():
     calls = []
     assert fastest_seconds(lambda: calls.append(1), 4, clock=lambda: next(ticks)) == 0.5
     assert len(calls) == 4
+
+
+def test_the_gpu_memory_peak_comes_from_one_looping_nvidia_smi_and_counts_this_process_only(tmp_path, monkeypatch):
+    """An nvidia-smi of our own on PATH: it must be started once with --loop-ms and looping, not once a
+    sample, and it is stopped when the measured work ends."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"""#!/bin/sh
+echo "$*" >> {log}
+echo "1, 9000"
+echo "{os.getpid()}, 300"
+echo "{os.getpid()}, 700"
+echo "{os.getpid()}, 500"
+while :; do sleep 0.05; echo "{os.getpid()}, 200"; done
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with process_gpu_peak() as watch:
+        deadline = time.monotonic() + 10
+        while watch.peak < 700 << 20 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert watch.peak == 700 << 20  # the other process's 9,000 MiB is not ours
+    calls = log.read_text().splitlines()
+    assert len(calls) == 1 and "--loop-ms=50" in calls[0] and "--query-compute-apps=pid,used_memory" in calls[0]
+    assert watch._proc.poll() is not None  # stopped with the work

@@ -10,13 +10,11 @@ without one.
 from __future__ import annotations
 
 import os
-import shutil
-import threading
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
-from gemmactl.machine import process_gpu_bytes
+from gemmactl.machine import process_gpu_bytes, process_gpu_peak
 from gemmactl.plan.solver import Budget, Placement, Plan, evaluate
 
 if TYPE_CHECKING:
@@ -48,31 +46,20 @@ class VerifyResult:
 
 
 class GpuMemorySampler:
-    """Samples this process's GPU memory with nvidia-smi on a thread; peak in bytes (0 without a GPU)."""
+    """This process's peak GPU memory as nvidia-smi reports it, sampled every 50 ms by one
+    nvidia-smi that loops on its own (machine.SmiPeak); 0 without a GPU."""
 
-    def __init__(self, interval_s: float = 0.05):
-        self.interval_s, self.peak = interval_s, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True) if shutil.which("nvidia-smi") else None
-
-    def _sample(self) -> int:
-        return process_gpu_bytes()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._sample())
-            self._stop.wait(self.interval_s)
+    def __init__(self):
+        self.peak = 0
+        self._watch = process_gpu_peak()
 
     def __enter__(self):
-        if self._thread:
-            self._thread.start()
+        self._watch.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self._thread:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self.peak, self._sample())
+        self._watch.__exit__(*exc)
+        self.peak = max(self._watch.peak, process_gpu_bytes())
 
 
 def verify_plan(plan: Plan, open_backend: Callable[..., Backend], *, store=None,
