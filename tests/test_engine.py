@@ -398,6 +398,30 @@ def test_what_is_compiled_and_captured_follows_the_placement(layers, tables_on_h
     assert not wanted(COMPILE_ENV, model)  # never compiled off CUDA
 
 
+@pytest.mark.parametrize("layers, compile_setting, graph_setting, device, fused", [
+    ("RRRR", "on", "auto", "cuda", True),    # asked for: the step between the gathered rows is fused
+    ("RRRR", "max", "auto", "cuda", True),
+    ("RRRR", "auto", "auto", "cuda", False),  # not by default until measured
+    ("RRRS", "on", "auto", "cuda", False),   # a streamed layer's copies run on their own stream
+    ("RRRR", "on", "off", "cuda", False),    # nothing captured: nothing to start from gathered rows
+    ("RRRR", "on", "auto", "cpu", False),
+])
+def test_a_resident_step_with_its_tables_in_host_memory_is_fused_only_when_asked(layers, compile_setting,
+                                                                               graph_setting, device, fused,
+                                                                               monkeypatch):
+    from types import SimpleNamespace
+
+    from gemmactl.runtime.engine.graph import COMPILE_ENV, GRAPH_ENV, wanted
+    from gemmactl.runtime.engine.placement import EnginePlacement
+
+    kinds = {"R": "resident", "S": "streamed"}
+    model = SimpleNamespace(placement=EnginePlacement(tuple(kinds[k] for k in layers), tables_on_host=True),
+                            experts=None, device=torch.device(device))
+    monkeypatch.setenv(COMPILE_ENV, compile_setting)
+    monkeypatch.setenv(GRAPH_ENV, graph_setting)
+    assert wanted(COMPILE_ENV, model) == fused
+
+
 @gpu
 @pytest.mark.parametrize("kind", ["e2b-tiny", "e4b-tiny"])
 def test_gpu_streamed_layers_are_captured_and_decode_like_eager(artifacts, kind, monkeypatch):
@@ -417,6 +441,30 @@ def test_gpu_streamed_layers_are_captured_and_decode_like_eager(artifacts, kind,
     expected, expected_logits = engine_greedy(engine, PROMPT, STEPS)  # eager, bounded
     step = DecodeStep(engine)
     assert step.graph is not None and not step.compiled
+    tokens, logits = engine_greedy(engine, PROMPT, STEPS, decoder=step)
+    assert (logits - expected_logits).abs().max() <= 1e-3 * expected_logits.abs().max()
+    assert tokens == expected
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["e2b-tiny", "gemma3-tiny"])
+def test_gpu_a_fused_step_with_its_tables_in_host_memory_decodes_like_eager(artifacts, kind, monkeypatch):
+    """Every layer resident, the tables in host memory, compile asked for: model.forward is fused
+    and captured from the rows gathered on the host, and gives the eager step's tokens."""
+    from gemmactl.runtime.engine.graph import COMPILE_ENV, DecodeStep
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.engine.placement import RESIDENT, EnginePlacement
+
+    monkeypatch.setenv("GEMMACTL_ENGINE_KERNEL", "dense")
+    monkeypatch.delenv("GEMMACTL_ENGINE_GRAPH", raising=False)
+    monkeypatch.setenv(COMPILE_ENV, "on")
+    artifact = artifacts(kind)
+    n = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64).spec.n_layers
+    placement = EnginePlacement((RESIDENT,) * n, tables_on_host=True)
+    engine = GemmaModel(artifact, device="cuda", dtype=torch.float32, context=64, placement=placement)
+    expected, expected_logits = engine_greedy(engine, PROMPT, STEPS)  # eager, bounded
+    step = DecodeStep(engine)
+    assert step.graph is not None and step.compiled
     tokens, logits = engine_greedy(engine, PROMPT, STEPS, decoder=step)
     assert (logits - expected_logits).abs().max() <= 1e-3 * expected_logits.abs().max()
     assert tokens == expected

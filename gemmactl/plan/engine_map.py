@@ -61,6 +61,14 @@ HOST_LAYERS_ENV = "GEMMACTL_PLAN_HOST_LAYERS"  # auto (default) | off: no layer 
 # uniform router): 28.3 and 29.1 tok/s measured where the map without this term predicted 64.3,
 # 0.63 ms a layer over 30 layers (docs/benchmarks.md).
 MOE_LAYER_WAIT_S = 0.63e-3
+# A dense layer's fixed cost on the GPU in a step captured without compile fusion: graph.wanted
+# fuses only a step whose every layer and table is on the GPU, so a step with streamed layers,
+# layers on the host or the tables in host memory runs each operation as a kernel of its own.
+# The profile's gpu_layer_latency_s (60 µs) is the fused step's. Fitted to an E4B-shaped map with
+# every layer resident and the tables in host memory on an H100: 96.2 tok/s measured where 60 µs a
+# layer predicted 277 (docs/benchmarks.md). MoE maps keep the fused figure: MOE_LAYER_WAIT_S was
+# fitted beside it.
+ENGINE_UNFUSED_LAYER_S = 222e-6
 # Small buffers and the freed blocks torch's allocator keeps for reuse (61 MiB at the E4B engine's
 # peak, expandable segments on; benchmarks/engine_memory.py). Nothing in it grows with the context:
 # the engine once kept rope tables for every position (12 MiB for E4B at 4096, 96 MiB at 32K, which
@@ -363,11 +371,14 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
     kv_all = sum(c.kv_bytes for c in costs)
     table_bytes = sum(tables.values())
 
-    def resident_time(c: LayerCost) -> float:
-        return c.device_bytes / gpu_bw + profile.gpu_layer_latency_s
+    fused = profile.gpu_layer_latency_s  # every layer and table on the GPU: the step is fused
+    unfused = fused if experts else max(fused, ENGINE_UNFUSED_LAYER_S)
+
+    def resident_time(c: LayerCost, latency: float = unfused) -> float:
+        return c.device_bytes / gpu_bw + latency
 
     def streamed_time(c: LayerCost) -> float:
-        return max(c.device_bytes / link, c.device_bytes / gpu_bw) + profile.gpu_layer_latency_s
+        return max(c.device_bytes / link, c.device_bytes / gpu_bw) + unfused
 
     host_bw = profile.host_kernel_bandwidth
     # A dense model's step is captured around its host layers (runtime/engine/graph_host.py); an
@@ -391,7 +402,8 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
         need = sum(fixed.values()) + kv_all + layers_total + (0 if tables_on_host else table_bytes)
         if need <= vram_bytes:
             gpu = {**fixed, "kv": kv_all, "tables": 0 if tables_on_host else table_bytes, "layers": layers_total, "staging": 0}
-            rate = 1.0 / (sum(resident_time(c) for c in costs) + head_time)
+            latency = unfused if tables_on_host else fused
+            rate = 1.0 / (sum(resident_time(c, latency) for c in costs) + head_time)
             where = "in host memory" if tables_on_host else "on the GPU"
             return _with_experts(EngineMap(("resident",) * len(costs), tables_on_host, gpu,
                                            table_bytes if tables_on_host else 0, _row_bytes(index) if tables_on_host else 0,
@@ -425,7 +437,7 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
                 room -= c.device_bytes
 
     def gpu_time(c: LayerCost) -> float:
-        return c.device_bytes / gpu_bw + profile.gpu_layer_latency_s
+        return c.device_bytes / gpu_bw + unfused
 
     def step(layers: dict) -> float:
         return _schedule_seconds(costs, layers, gpu_time, lambda c: c.device_bytes / link, host_time)

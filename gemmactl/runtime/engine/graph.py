@@ -11,7 +11,8 @@ A model that streams layers is captured too (by default on CUDA), without compil
 pinned host memory into the staging areas on their own stream, and the events that order them
 against the compute, so a replay overlaps copy and compute as the eager step does, without the
 host launching each kernel. Embedding tables in host memory are read outside the graph (a row
-gather on the host), and the rows enter it through static buffers. Eager, such a step is bound by
+gather on the host), and the rows enter it through static buffers; with every layer resident the
+graph between could be fused too, which COMPILE_ENV=on|max asks for (not yet the default: unmeasured). Eager, such a step is bound by
 the host's launches: on an H200, an E4B-shaped step with half its layers streamed took 95 ms eager
 and 31 ms captured, where the copies alone take 26 ms (docs/benchmarks.md).
 """
@@ -79,6 +80,12 @@ def wanted(env: str, model) -> bool:
     if setting in OFF or HOST in placement.layers or model.experts is not None:
         return False
     if not placement.resident_only:
+        if env == COMPILE_ENV and all(kind == RESIDENT for kind in placement.layers):
+            # Every layer resident, the tables in host memory: the rows are gathered outside the
+            # graph, so the step between could be fused as a resident one is. Asked for only
+            # (on, max) until measured: its step captured unfused ran 96 tok/s for an E4B shape
+            # on an H100 where the fused one is predicted near 277 (engine_map.ENGINE_UNFUSED_LAYER_S).
+            return setting in ("on", "max") and model.device.type == "cuda" and _setting(GRAPH_ENV) not in OFF
         return env == GRAPH_ENV and model.device.type == "cuda"
     if env == COMPILE_ENV and model.device.type != "cuda":
         # Off CUDA the step is eager and passes the written positions' end, on which a compiled
@@ -99,6 +106,7 @@ class DecodeStep:
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.graph = None
         self.compiled = False
+        self._forward = None  # model.forward fused, where the capture starts from gathered rows
         self.setup_s = 0.0
         step = model.step
         start = time.perf_counter()
@@ -106,8 +114,14 @@ class DecodeStep:
             if cache_dir is not None:
                 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
             autotune = os.environ.get(COMPILE_ENV, "").lower() == "max"
-            step = torch.compile(step, mode="max-autotune-no-cudagraphs" if autotune else None, fullgraph=True,
-                                 dynamic=False)
+
+            def fuse(function):
+                return torch.compile(function, mode="max-autotune-no-cudagraphs" if autotune else None,
+                                     fullgraph=True, dynamic=False)
+
+            step = fuse(step)
+            # the tables in host memory: the graph starts from the gathered rows (capture)
+            self._forward = fuse(model.forward) if model.placement.tables_on_host else None
             self.compiled = True
         self._step = step
         if wanted(GRAPH_ENV, model):
@@ -132,7 +146,8 @@ class DecodeStep:
         return self._step
 
     def _capture(self) -> None:
-        self.graph, self.logits, self.x, self.per_layer = capture(self.model, self._step, self.token, self.position)
+        self.graph, self.logits, self.x, self.per_layer = capture(self.model, self._step, self.token, self.position,
+                                                                   forward=self._forward)
 
     def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
         """Logits [V] after token (a 0-dim or [1] tensor on the device) at position."""
@@ -149,16 +164,18 @@ class DecodeStep:
         return self.logits
 
 
-def capture(model, step, tokens: torch.Tensor, positions: torch.Tensor, all_logits: bool = False):
+def capture(model, step, tokens: torch.Tensor, positions: torch.Tensor, all_logits: bool = False, forward=None):
     """(graph, logits, x, per_layer): model's step over the static tokens and positions captured in a
     CUDA graph, its logits a static output buffer. Where the embedding tables are in host memory the
     host's row gather stays outside: the graph starts from the gathered rows (x, per_layer, static
-    buffers the caller fills before each replay); else x and per_layer are None."""
+    buffers the caller fills before each replay; forward, fused or not, runs from them: model.forward
+    by default); else x and per_layer are None."""
     x = per_layer = None
     if model.placement.tables_on_host:
         with torch.inference_mode():
             x, per_layer = model.embed_tokens(tokens)
-        body = lambda: model.forward(x, per_layer, positions, all_logits=all_logits)  # noqa: E731
+        run = forward or model.forward
+        body = lambda: run(x, per_layer, positions, all_logits=all_logits)  # noqa: E731
     else:
         body = lambda: step(tokens, positions, all_logits=all_logits)  # noqa: E731
     graph, logits = capture_body(body, warmups=3)
