@@ -40,8 +40,8 @@ def free_mib() -> int:
 
 def run_sampled(cmd: list[str], log: Path) -> tuple[subprocess.CompletedProcess, int]:
     """Run cmd, sampling device memory every 50 ms with one looping nvidia-smi (machine.SmiPeak:
-    an nvidia-smi a sample kept a core busy and slowed work on every core); (result, peak MiB
-    above the idle baseline)."""
+    a new nvidia-smi each sample slowed work on every core); (result, peak MiB above the idle
+    baseline)."""
     from gemmactl.machine import SmiPeak
 
     baseline = used_mib()

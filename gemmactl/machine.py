@@ -117,10 +117,11 @@ class SmiPeak:
     """The largest figure one nvidia-smi query reports while it runs, read from a single nvidia-smi
     that repeats the query every interval_ms (`--loop-ms`) on its own.
 
-    Not a new nvidia-smi for each sample: each of those takes a core for tens of milliseconds, and
-    sampling every 50 ms that way kept about one core of the host busy; work spread over every core
-    (llama.cpp's CPU layers, the engine's host layers) waits for its slowest thread, so it ran
-    slower while it was being measured. query: e.g. ["--query-compute-apps=pid,used_memory"];
+    Not a new nvidia-smi for each sample: started every 50 ms, they slowed work spread over every
+    core (llama.cpp's CPU layers, the engine's host layers), which waits for its slowest thread. On
+    a 16-core H100 host an E4B step with 12 layers on the CPU took 40.1 ms beside them against 32.6
+    alone (49.0 against 33.8 at position 400), and one looping nvidia-smi cost nothing measurable
+    (benchmarks/sampler_cost.py, docs/benchmarks.md). query: e.g. ["--query-compute-apps=pid,used_memory"];
     value(fields) gives a line's figure (a size), or None to skip the line."""
 
     def __init__(self, query: list[str], value, interval_ms: int = 50):
