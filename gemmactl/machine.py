@@ -6,6 +6,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import threading
 from dataclasses import asdict, dataclass, field
@@ -151,7 +152,7 @@ class SmiPeak:
 
     def __exit__(self, *exc):
         if self._proc is not None:
-            self._proc.terminate()
+            self._proc.send_signal(signal.SIGINT)  # how its loop is meant to end ("until Ctrl+C")
             try:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
