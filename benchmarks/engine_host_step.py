@@ -60,7 +60,10 @@ def main() -> None:
     plan = tuple(json.loads(args.plan.read_text())["engine"]["layers"])
     counts = {kind: plan.count(kind) for kind in ("host", "streamed")}
     label = f"plan ({counts['host']} host, {counts['streamed']} streamed)"
+    engine = None
     for first in [int(p) for p in args.start.split(",")]:
+        del engine  # one engine on the GPU at a time
+        torch.cuda.empty_cache()
         engine = timed_steps(artifact, plan, label, args.steps, max(5, first))
     if args.plan_only:
         return

@@ -45,8 +45,7 @@ def run_sampled(cmd: list[str], log: Path) -> tuple[subprocess.CompletedProcess,
     from gemmactl.machine import SmiPeak
 
     baseline = used_mib()
-    with SmiPeak(["--id=0", "--query-gpu=memory.used"],
-                 lambda parts: int(float(parts[0])) if parts and parts[0].replace(".", "").isdigit() else None) as watch:
+    with SmiPeak(["--id=0", "--query-gpu=memory.used"], lambda parts: int(float(parts[0]))) as watch:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     log.write_text("$ " + " ".join(cmd) + "\n" + proc.stderr)
     return proc, max(0, max(watch.peak, used_mib()) - baseline)

@@ -42,7 +42,10 @@ class Spawner:
 
     def _run(self) -> None:
         while not self.stop.is_set():
-            subprocess.run(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                subprocess.run(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
             self.stop.wait(self.interval_s)
 
     def __enter__(self):

@@ -122,7 +122,7 @@ class SmiPeak:
     core (llama.cpp's CPU layers, the engine's host layers), which waits for its slowest thread. On
     a 16-core H100 host an E4B step with 12 layers on the CPU took 40.1 ms beside them against 32.6
     alone (49.0 against 33.8 at position 400), and one looping nvidia-smi cost nothing measurable
-    (benchmarks/sampler_cost.py, docs/benchmarks.md). query: e.g. ["--query-compute-apps=pid,used_memory"];
+    (benchmarks/sampler_cost.py, docs/benchmarks.md). query: e.g. ["--query-compute-apps=pid,gpu_uuid,used_memory"];
     value(fields) gives a line's figure (a size), or None to skip the line."""
 
     def __init__(self, query: list[str], value, interval_ms: int = 50):
@@ -146,31 +146,42 @@ class SmiPeak:
 
     def _read(self) -> None:
         for line in self._proc.stdout:
-            figure = self._value([part.strip() for part in line.split(",")])
+            try:
+                figure = self._value([part.strip() for part in line.split(",")])
+            except ValueError:  # a line of another shape: skipped, the sampling goes on
+                figure = None
             if figure is not None:
                 self.peak = max(self.peak, figure)
 
     def __exit__(self, *exc):
-        if self._proc is not None:
-            self._proc.send_signal(signal.SIGINT)  # how its loop is meant to end ("until Ctrl+C")
+        if self._proc is None:
+            return
+        # SIGINT is how its loop is meant to end ("until Ctrl+C"); a process started with SIGINT
+        # ignored passes that on, so then SIGTERM, then SIGKILL.
+        for stop, wait_s in ((lambda: self._proc.send_signal(signal.SIGINT), 1.0), (self._proc.terminate, 2.0),
+                             (self._proc.kill, None)):
+            stop()
             try:
-                self._proc.wait(timeout=5)
+                self._proc.wait(timeout=wait_s)
+                break
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-            self._thread.join(timeout=5)
+                continue
+        self._thread.join(timeout=5)
+        self._proc.stdout.close()
 
 
 def process_gpu_peak() -> SmiPeak:
-    """A context in which SmiPeak follows this process's GPU memory (CUDA context included)."""
-    pid = str(os.getpid())
+    """A context in which SmiPeak follows this process's GPU memory (CUDA context included),
+    summed over the GPUs it uses: each GPU's latest figure, added up at every line."""
+    pid, latest = str(os.getpid()), {}
 
     def value(parts: list[str]) -> int | None:
-        if len(parts) == 2 and parts[0] == pid and parts[1].isdigit():
-            return int(parts[1]) * 1024 * 1024
+        if len(parts) == 3 and parts[0] == pid and parts[2].isdigit():
+            latest[parts[1]] = int(parts[2]) * 1024 * 1024
+            return sum(latest.values())
         return None
 
-    return SmiPeak(["--query-compute-apps=pid,used_memory"], value)
+    return SmiPeak(["--query-compute-apps=pid,gpu_uuid,used_memory"], value)
 
 
 def process_gpu_bytes() -> int:

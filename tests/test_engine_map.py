@@ -58,6 +58,26 @@ def test_the_tables_leave_the_gpu_before_any_layer(artifact):
     assert 0 < chosen.link_bytes_per_token < tables  # one token's rows, not the tables
 
 
+
+def test_a_resident_step_with_its_tables_in_host_memory_is_priced_unfused(artifact):
+    """graph.wanted fuses only a step whose every layer and table is on the GPU: with the tables in
+    host memory each layer pays ENGINE_UNFUSED_FACTOR times the fused latency (measured: 96 tok/s
+    for E4B where the fused price said 277), and nothing else in the price changes."""
+    from dataclasses import replace
+
+    from gemmactl.plan.engine_map import ENGINE_UNFUSED_FACTOR
+
+    fused = whole(artifact)
+    budget = fused.gpu_total - fused.gpu_bytes["tables"] + 1
+    unfused = plan_engine(artifact, PROFILE, budget, CONTEXT)
+    assert unfused.tables_on_host and set(unfused.layers) == {"resident"}
+    extra = len(unfused.layers) * PROFILE.gpu_layer_latency_s * (ENGINE_UNFUSED_FACTOR - 1)
+    assert 1 / unfused.empty_tok_s - 1 / fused.empty_tok_s == pytest.approx(extra, rel=1e-6)
+    # latencies off (as other tests set them) stay off
+    off = replace(PROFILE, gpu_layer_latency_s=0.0)
+    assert plan_engine(artifact, off, budget, CONTEXT).empty_tok_s == pytest.approx(
+        plan_engine(artifact, off, 64 << 30, CONTEXT).empty_tok_s, rel=1e-6)
+
 def test_a_tight_budget_streams_or_hosts_the_rest_and_stays_within_it(artifact):
     from gemmactl.runtime.engine.spec import model_spec
 

@@ -249,11 +249,12 @@ def test_the_gpu_memory_peak_comes_from_one_looping_nvidia_smi_and_counts_this_p
     fake = tmp_path / "nvidia-smi"
     fake.write_text(f"""#!/bin/sh
 echo "$*" >> {log}
-echo "1, 9000"
-echo "{os.getpid()}, 300"
-echo "{os.getpid()}, 700"
-echo "{os.getpid()}, 500"
-while :; do sleep 0.05; echo "{os.getpid()}, 200"; done
+echo "1, GPU-a, 9000"
+echo "{os.getpid()}, GPU-a, 300"
+echo "{os.getpid()}, GPU-a, 500"
+echo "{os.getpid()}, GPU-b, 200"
+echo "{os.getpid()}, GPU-a, 400"
+while :; do sleep 0.05; echo "{os.getpid()}, GPU-a, 100"; done
 """)
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
@@ -261,7 +262,7 @@ while :; do sleep 0.05; echo "{os.getpid()}, 200"; done
         deadline = time.monotonic() + 10
         while watch.peak < 700 << 20 and time.monotonic() < deadline:
             time.sleep(0.02)
-    assert watch.peak == 700 << 20  # the other process's 9,000 MiB is not ours
+    assert watch.peak == 700 << 20  # 500 + 200 on two GPUs at once; the other process's 9,000 MiB is not ours
     calls = log.read_text().splitlines()
-    assert len(calls) == 1 and "--loop-ms=50" in calls[0] and "--query-compute-apps=pid,used_memory" in calls[0]
+    assert len(calls) == 1 and "--loop-ms=50" in calls[0] and "--query-compute-apps=pid,gpu_uuid,used_memory" in calls[0]
     assert watch._proc.poll() is not None  # stopped with the work

@@ -64,11 +64,11 @@ MOE_LAYER_WAIT_S = 0.63e-3
 # A dense layer's fixed cost on the GPU in a step captured without compile fusion: graph.wanted
 # fuses only a step whose every layer and table is on the GPU, so a step with streamed layers,
 # layers on the host or the tables in host memory runs each operation as a kernel of its own.
-# The profile's gpu_layer_latency_s (60 µs) is the fused step's. Fitted to an E4B-shaped map with
-# every layer resident and the tables in host memory on an H100: 96.2 tok/s measured where 60 µs a
-# layer predicted 277 (docs/benchmarks.md). MoE maps keep the fused figure: MOE_LAYER_WAIT_S was
-# fitted beside it.
-ENGINE_UNFUSED_LAYER_S = 222e-6
+# The profile's gpu_layer_latency_s (60 µs) is the fused step's; an unfused layer pays this many
+# times it: 222 µs, fitted to an E4B-shaped map with every layer resident and the tables in host
+# memory on an H100, 96.2 tok/s measured where 60 µs a layer predicted 277 (docs/benchmarks.md).
+# MoE maps keep the fused figure: MOE_LAYER_WAIT_S was fitted beside it.
+ENGINE_UNFUSED_FACTOR = 3.7
 # Small buffers and the freed blocks torch's allocator keeps for reuse (61 MiB at the E4B engine's
 # peak, expandable segments on; benchmarks/engine_memory.py). Nothing in it grows with the context:
 # the engine once kept rope tables for every position (12 MiB for E4B at 4096, 96 MiB at 32K, which
@@ -372,7 +372,7 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
     table_bytes = sum(tables.values())
 
     fused = profile.gpu_layer_latency_s  # every layer and table on the GPU: the step is fused
-    unfused = fused if experts else max(fused, ENGINE_UNFUSED_LAYER_S)
+    unfused = fused if experts else fused * ENGINE_UNFUSED_FACTOR
 
     def resident_time(c: LayerCost, latency: float = unfused) -> float:
         return c.device_bytes / gpu_bw + latency

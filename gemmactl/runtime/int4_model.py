@@ -8,6 +8,7 @@ with weights that stay packed.
 from __future__ import annotations
 
 from gemmactl.errors import BackendError
+from gemmactl.formats.int4.spec import HEAD_NAME
 
 
 def empty_model(artifact, dtype=None):
@@ -46,7 +47,7 @@ def build_model(artifact, dtype=None, device="cpu"):
     state = artifact.state_dict(device=device, dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     del state
-    if "lm_head.weight" not in artifact.tensor_names():  # else the artifact's own head (`--head int4`) stays
+    if HEAD_NAME not in artifact.tensor_names():  # else the artifact's own head (`--head int4`) stays
         model.tie_weights()
     if str(device) != "cpu":
         model.to(device)  # the buffers; the parameters are there already

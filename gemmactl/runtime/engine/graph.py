@@ -84,7 +84,7 @@ def wanted(env: str, model) -> bool:
             # Every layer resident, the tables in host memory: the rows are gathered outside the
             # graph, so the step between could be fused as a resident one is. Asked for only
             # (on, max) until measured: its step captured unfused ran 96 tok/s for an E4B shape
-            # on an H100 where the fused one is predicted near 277 (engine_map.ENGINE_UNFUSED_LAYER_S).
+            # on an H100 where the fused one is predicted near 277 (engine_map.ENGINE_UNFUSED_FACTOR).
             return setting in ("on", "max") and model.device.type == "cuda" and _setting(GRAPH_ENV) not in OFF
         return env == GRAPH_ENV and model.device.type == "cuda"
     if env == COMPILE_ENV and model.device.type != "cuda":
@@ -145,6 +145,11 @@ class DecodeStep:
         verify step reuses it, so its code is compiled for one more shape, not built again."""
         return self._step
 
+    def fused_forward(self):
+        """model.forward as compiled for a capture that starts from gathered rows (the tables in
+        host memory, compile asked for), else None: the verify step captures it too."""
+        return self._forward
+
     def _capture(self) -> None:
         self.graph, self.logits, self.x, self.per_layer = capture(self.model, self._step, self.token, self.position,
                                                                    forward=self._forward)
@@ -194,7 +199,8 @@ class VerifyStep:
     ring keeps k_max spare slots, so they never overwrite a key its window still needs. Eager where
     there is no graph, and for a round whose padded tokens would run past the context."""
 
-    def __init__(self, model, width: int, step=None, captured: bool | None = None, pad: bool = False):
+    def __init__(self, model, width: int, step=None, captured: bool | None = None, pad: bool = False,
+                 forward=None):
         """pad: run the padded rounds eagerly where nothing is captured (the CPU tests check the
         padding's rollback this way, with the arithmetic the graph replays)."""
         self.model, self.width, self.pad = model, width, pad
@@ -207,7 +213,8 @@ class VerifyStep:
         start = time.perf_counter()
         if captured if captured is not None else wanted(GRAPH_ENV, model):
             self.graph, self.logits, self.x, self.per_layer = capture(model, step or model.step, self.tokens,
-                                                                       self.positions, all_logits=True)
+                                                                       self.positions, all_logits=True,
+                                                                       forward=forward)
         self.setup_s = time.perf_counter() - start
 
     def __call__(self, tokens: list[int], position: int) -> torch.Tensor:
