@@ -39,7 +39,6 @@ EXPERTS = ".experts."
 # projection and the MLP down projection (llama.cpp's Q4_K_M gives these two 6 bits in about half the layers).
 SENSITIVE = re.compile(r"(?:^|\.)(?:v_proj|down_proj)\.weight$")
 SMALL_NUMEL = 1024  # 2-D tensors (or experts) smaller than this are kept as they are
-HEAD = HEAD_NAME
 # The text model's token table: a tied model's head (not the per-layer table, not a tower's).
 TOKEN_TABLE = re.compile(r"(?:^|\.)embed_tokens\.weight$")
 MIN_SHARD_SIZE = 1 << 20
@@ -180,8 +179,8 @@ def plan_layout(checkpoint: Checkpoint, options: QuantizeOptions) -> Layout:
     sources = {}
     table = _tied_table(checkpoint) if options.head == "int4" else None
     if table is not None:
-        records.append(TensorRecord(HEAD, table.shape, table.dtype, "int4", options.group_size, None))
-        sources[HEAD] = table.name
+        records.append(TensorRecord(HEAD_NAME, table.shape, table.dtype, "int4", options.group_size, None))
+        sources[HEAD_NAME] = table.name
     shards: list[list[TensorRecord]] = [[]]
     cursor = HEADER_SIZE
     for unit in _units(records):
@@ -219,7 +218,7 @@ def plan_layout(checkpoint: Checkpoint, options: QuantizeOptions) -> Layout:
 def _tied_table(checkpoint: Checkpoint) -> SourceTensor | None:
     """The token table a tied model's head reads, or None where the model has a head of its own or
     says it is not tied (`--head int4` then adds nothing: that head is an int4 matrix already)."""
-    if any(tensor.name.endswith(HEAD) for tensor in checkpoint.tensors):
+    if any(tensor.name.endswith(HEAD_NAME) for tensor in checkpoint.tensors):
         return None
     config = checkpoint.config
     text = config.get("text_config") or {}
