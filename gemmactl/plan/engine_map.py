@@ -62,12 +62,13 @@ HOST_LAYERS_ENV = "GEMMACTL_PLAN_HOST_LAYERS"  # auto (default) | off: no layer 
 # 0.63 ms a layer over 30 layers (docs/benchmarks.md).
 MOE_LAYER_WAIT_S = 0.63e-3
 # A dense layer's fixed cost on the GPU in a step captured without compile fusion: graph.wanted
-# fuses only a step whose every layer and table is on the GPU, so a step with streamed layers,
-# layers on the host or the tables in host memory runs each operation as a kernel of its own.
+# fuses only a step whose every layer is on the GPU (its tables on the GPU or in host memory), so a
+# step with streamed layers or layers on the host runs each operation as a kernel of its own.
 # The profile's gpu_layer_latency_s (60 µs) is the fused step's; an unfused layer pays this many
 # times it: 222 µs, fitted to an E4B-shaped map with every layer resident and the tables in host
-# memory on an H100, 96.2 tok/s measured where 60 µs a layer predicted 277 (docs/benchmarks.md).
-# MoE maps keep the fused figure: MOE_LAYER_WAIT_S was fitted beside it.
+# memory on an H100 captured unfused, 96.2 tok/s measured where 60 µs a layer predicted 277 (that
+# step is fused now: 220 tok/s; docs/benchmarks.md). MoE maps keep the fused figure:
+# MOE_LAYER_WAIT_S was fitted beside it.
 ENGINE_UNFUSED_FACTOR = 3.7
 # Small buffers and the freed blocks torch's allocator keeps for reuse (61 MiB at the E4B engine's
 # peak, expandable segments on; benchmarks/engine_memory.py). Nothing in it grows with the context:
@@ -371,7 +372,7 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
     kv_all = sum(c.kv_bytes for c in costs)
     table_bytes = sum(tables.values())
 
-    fused = profile.gpu_layer_latency_s  # every layer and table on the GPU: the step is fused
+    fused = profile.gpu_layer_latency_s  # every layer on the GPU: the step is fused
     unfused = fused if experts else fused * ENGINE_UNFUSED_FACTOR
 
     def resident_time(c: LayerCost, latency: float = unfused) -> float:
@@ -402,8 +403,7 @@ def _plan(index: dict, spec, profile, vram_bytes: int, context: int, kv_mode: st
         need = sum(fixed.values()) + kv_all + layers_total + (0 if tables_on_host else table_bytes)
         if need <= vram_bytes:
             gpu = {**fixed, "kv": kv_all, "tables": 0 if tables_on_host else table_bytes, "layers": layers_total, "staging": 0}
-            latency = unfused if tables_on_host else fused
-            rate = 1.0 / (sum(resident_time(c, latency) for c in costs) + head_time)
+            rate = 1.0 / (sum(resident_time(c, fused) for c in costs) + head_time)
             where = "in host memory" if tables_on_host else "on the GPU"
             return _with_experts(EngineMap(("resident",) * len(costs), tables_on_host, gpu,
                                            table_bytes if tables_on_host else 0, _row_bytes(index) if tables_on_host else 0,

@@ -12,8 +12,8 @@ pinned host memory into the staging areas on their own stream, and the events th
 against the compute, so a replay overlaps copy and compute as the eager step does, without the
 host launching each kernel. Embedding tables in host memory are read outside the graph (a row
 gather on the host), and the rows enter it through static buffers; with every layer resident the
-graph between could be fused too, which COMPILE_ENV=on|max asks for (not yet the default: unmeasured). Eager, such a step is bound by
-the host's launches: on an H200, an E4B-shaped step with half its layers streamed took 95 ms eager
+graph between is fused too (220 tok/s against 93 unfused for an E4B shape on an H100). Eager, a
+streamed step is bound by the host's launches: on an H200, an E4B-shaped step with half its layers streamed took 95 ms eager
 and 31 ms captured, where the copies alone take 26 ms (docs/benchmarks.md).
 """
 
@@ -73,8 +73,9 @@ def wanted(env: str, model) -> bool:
     the host (host compute cannot be captured: host_pieces_wanted says when the stretches between
     are), nor for MoE experts (which experts a step runs,
     and whether they are cached, is decided on the host; moe_pieces_wanted says when the pieces
-    between are captured). Streamed layers or tables in host memory:
-    captured, never fused (the copies run on their own stream)."""
+    between are captured). Streamed layers: captured, never fused (the copies run on their own
+    stream). Every layer resident with the tables in host memory: fused between the rows gathered
+    on the host."""
     setting = _setting(env)
     placement = model.placement
     if setting in OFF or HOST in placement.layers or model.experts is not None:
@@ -82,10 +83,9 @@ def wanted(env: str, model) -> bool:
     if not placement.resident_only:
         if env == COMPILE_ENV and all(kind == RESIDENT for kind in placement.layers):
             # Every layer resident, the tables in host memory: the rows are gathered outside the
-            # graph, so the step between could be fused as a resident one is. Asked for only
-            # (on, max) until measured: its step captured unfused ran 96 tok/s for an E4B shape
-            # on an H100 where the fused one is predicted near 277 (engine_map.ENGINE_UNFUSED_FACTOR).
-            return setting in ("on", "max") and model.device.type == "cuda" and _setting(GRAPH_ENV) not in OFF
+            # graph and the step between is fused as a resident one is. Measured on an H100 for an
+            # E4B shape at 4 GiB: 220 tok/s fused against 93 captured unfused (docs/benchmarks.md).
+            return model.device.type == "cuda" and _setting(GRAPH_ENV) not in OFF
         return env == GRAPH_ENV and model.device.type == "cuda"
     if env == COMPILE_ENV and model.device.type != "cuda":
         # Off CUDA the step is eager and passes the written positions' end, on which a compiled
