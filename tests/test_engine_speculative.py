@@ -196,6 +196,36 @@ def test_tuner_speculates_when_it_pays_and_stops_when_it_loses():
     assert tuner.next_k(0) == 0  # no room left in the context
 
 
+def test_tuner_prices_a_round_by_a_line_through_the_draft_lengths_it_measured():
+    """A verify step that costs the same whatever its drafts (bound by the bytes it reads): priced
+    per draft from a probe of 2, it would pick 1 draft; the line through the round's time picks 3.
+    Where the verify step does grow with k, the rounds at a second length show it and k falls."""
+    tuner = Tuner(k_max=6)
+    tuner.record_plain(0.010)
+    tuner.record_plain(0.010)
+    assert tuner.next_k(100) == 2
+    for _ in range(5):  # half the drafts kept (α = 0.5), 1 ms a draft, 14 ms a verify step
+        tuner.record_round(2, 1, draft_s=0.002, verify_s=0.014)
+    assert tuner.round_line() == pytest.approx((0.014, 0.001))
+    assert tuner.next_k(100) == 3  # 1.875 tokens in 17 ms beats 1.75 in 16 and 1.5 in 15
+    for _ in range(5):
+        tuner.record_round(3, 1, draft_s=0.003, verify_s=0.014)
+    assert tuner.round_line() == pytest.approx((0.014, 0.001))
+    assert tuner.next_k(100) == 3
+    assert tuner.summary()["round_ms"] == pytest.approx(14.0) and tuner.summary()["round_ms_per_draft"] == pytest.approx(1.0)
+
+    grows = Tuner(k_max=6)  # a verify step of 8 ms + 3 ms a draft: the same 14 ms at k=2
+    grows.record_plain(0.010)
+    grows.record_plain(0.010)
+    for _ in range(5):
+        grows.record_round(2, 1, draft_s=0.002, verify_s=0.014)
+    assert grows.next_k(100) == 3  # seen at one length only: the verify step looks fixed
+    for _ in range(5):
+        grows.record_round(3, 1, draft_s=0.003, verify_s=0.017)
+    assert grows.round_line() == pytest.approx((0.008, 0.004), rel=1e-6)
+    assert grows.next_k(100) == 1  # 1.5 tokens in 12 ms: still above plain's 100 a second
+
+
 def test_expected_tokens_per_round():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0

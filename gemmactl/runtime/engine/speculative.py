@@ -20,10 +20,11 @@ past the query, and the next round's writes replace the rejected ones. A sliding
 gets `k_max` spare slots so the rejected keys never overwrite ones its window still needs.
 
 `Tuner` picks k each round from measurements: the acceptance rate (decayed counts), the time of a
-draft step and of a verify step, and of a plain target step; speculation turns itself off when
-its predicted rate is below plain decoding's and probes again after PROBE_EVERY tokens, twice as
-many after each probe that did not pay, and never so often that probes (the draft first reads what
-was decoded without it) cost more than PROBE_SHARE of the time.
+round (its drafts and its verify step) as a line in k fitted to the rounds it made, and the time
+of a plain target step; speculation turns itself off when its predicted rate is below plain
+decoding's and probes again after PROBE_EVERY tokens, twice as many after each probe that did not
+pay, and never so often that probes (the draft first reads what was decoded without it) cost more
+than PROBE_SHARE of the time.
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ class Tuner:
     rejected: float = 0.0  # decayed count of rounds that stopped at a rejection
     t_plain: float | None = None  # s per plain target step
     t_draft: float | None = None  # s per draft step
-    t_extra: float | None = None  # s a verify step costs per draft beyond a plain step
+    t_verify: float | None = None  # s per verify step
+    # Decayed sums over rounds of (k, seconds of the round's drafts and verify step): the line
+    # seconds = a + b·k through them (round_line).
+    sums: list = field(default_factory=lambda: [0.0] * 5)  # Σw, Σw·k, Σw·k², Σw·t, Σw·k·t
     plain_since: int = 0  # plain tokens since speculation was last tried
     rounds_since_plain: int = 0  # rounds since the last plain step
     probe_every: int = PROBE_EVERY  # plain tokens between probes now (doubles after each failed one)
@@ -110,11 +114,32 @@ class Tuner:
         self.probed = True
         return min(PROBE_K, cap)
 
+    def round_line(self) -> tuple[float, float]:
+        """(a, b): a round of k drafts takes a + b·k seconds. The least-squares line through the
+        rounds measured (decayed) once they span two draft lengths; before that (or where the fit
+        is not a cost, b ≤ 0 or a ≤ 0) the drafts scale with k and the verify step does not.
+
+        A verify step's cost is rarely proportional to its drafts: bound by the bytes it reads
+        (streamed layers, a GPU's GEMVs) it costs about one plain step whatever k, and run
+        eagerly where the plain step is a replayed graph it carries a fixed overhead; the draft's
+        round starts by reading the tokens the last verify kept. An E4B-shaped target streamed
+        under 4 GiB on an H100 took 45 ms a plain step and about 70 a verify step at k=2 and k=4
+        alike. Priced per draft, the tuner drafted 2 tokens a round and decoded half its tokens
+        plainly: 1.03× plain, where 4 drafts every round measured 1.51× (docs/benchmarks.md)."""
+        w, wk, wkk, wt, wkt = self.sums
+        det = w * wkk - wk * wk
+        if w > 0 and det > 1e-6 * w * wkk:  # the draft lengths measured differ
+            b = (w * wkt - wk * wt) / det
+            a = (wt - b * wk) / w
+            if a > 0 and b > 0:
+                return a, b
+        return self.t_verify or 0.0, self.t_draft or 0.0
+
     def best(self, cap: int) -> tuple[int, float]:
         """(k, predicted tokens per second) of the best draft length up to cap."""
         alpha = min(self.alpha or 0.0, 0.999)
-        extra = self.t_extra if self.t_extra is not None else 0.0
-        rates = [(expected_tokens(alpha, k) / (k * self.t_draft + self.t_plain + k * extra), k) for k in range(1, cap + 1)]
+        a, b = self.round_line()
+        rates = [(expected_tokens(alpha, k) / (a + b * k), k) for k in range(1, cap + 1)]
         rate, k = max(rates)
         return k, rate
 
@@ -127,11 +152,11 @@ class Tuner:
         self.t_probe = catch_up_s + draft_s + verify_s
         self.accepted = DECAY * self.accepted + kept
         self.rejected = DECAY * self.rejected + (1 if kept < k else 0)
-        per_draft = draft_s / k
-        self.t_draft = per_draft if self.t_draft is None else DECAY * self.t_draft + (1 - DECAY) * per_draft
-        if self.t_plain is not None:
-            extra = max(0.0, verify_s - self.t_plain) / k
-            self.t_extra = extra if self.t_extra is None else DECAY * self.t_extra + (1 - DECAY) * extra
+        decayed = lambda old, new: new if old is None else DECAY * old + (1 - DECAY) * new  # noqa: E731
+        self.t_draft = decayed(self.t_draft, draft_s / k)
+        self.t_verify = decayed(self.t_verify, verify_s)
+        seconds = draft_s + verify_s
+        self.sums = [DECAY * total + value for total, value in zip(self.sums, (1.0, k, k * k, seconds, k * seconds))]
         self.plain_since = 0
         self.rounds_since_plain += 1
 
@@ -142,11 +167,13 @@ class Tuner:
         if self.t_plain and self.t_draft is not None and self.alpha is not None:
             predicted = round(self.best(self.k_max)[1] * self.t_plain, 3)
         ms = lambda s: None if s is None else round(1000 * s, 3)  # noqa: E731
+        a, b = self.round_line() if self.t_draft is not None else (None, None)
         return {"mode": "fixed" if self.fixed is not None else "tuned", "speculating": speculating,
                 "k": self.fixed if self.fixed is not None else (self.best(self.k_max)[0] if predicted else None),
                 "acceptance_estimate": None if self.alpha is None else round(self.alpha, 3),
                 "plain_step_ms": ms(self.t_plain), "draft_step_ms": ms(self.t_draft),
-                "verify_extra_ms_per_draft": ms(self.t_extra), "predicted_speedup": predicted,
+                "verify_step_ms": ms(self.t_verify), "round_ms": ms(a), "round_ms_per_draft": ms(b),
+                "predicted_speedup": predicted,
                 "rounds_on": self.decisions["on"], "rounds_off": self.decisions["off"],
                 "probe_every": self.probe_every}
 
