@@ -464,6 +464,30 @@ def test_plan_keeps_room_for_a_draft(artifact, runner):
     assert "Traceback" not in result.output
 
 
+def test_a_draft_that_costs_the_model_its_room_says_so(artifact, runner):
+    """Under a budget where the draft's room moves the model's layers off the GPU, the map's reason
+    gives both predictions and the speed-up speculation would need; with room for both, nothing."""
+    from gemmactl.plan.auto import with_draft_cost
+    from gemmactl.plan.engine_map import DraftNeed
+
+    need = DraftNeed(artifact, 4)
+    roomy = plan_engine(artifact, PROFILE, 64 << 30, CONTEXT, draft=need)
+    assert with_draft_cost(roomy, whole(artifact)) is roomy
+    # the least that holds the draft beside the model, and half the model's layers: the rest stream
+    tight = roomy.minimum_vram_bytes + whole(artifact).gpu_bytes["layers"] // 2
+    beside = plan_engine(artifact, PROFILE, tight, CONTEXT, draft=need)
+    alone = plan_engine(artifact, PROFILE, tight, CONTEXT)
+    assert alone.decode_tok_s > 1.05 * beside.decode_tok_s
+    reason = with_draft_cost(beside, alone).reason
+    assert reason.startswith(beside.reason) and f"{alone.decode_tok_s:.1f} alone" in reason
+    assert f"speculation must give {alone.decode_tok_s / beside.decode_tok_s:.1f}× to pay" in reason
+
+    result = invoke(runner, ["plan", str(artifact), "--backend", "int4", "--hardware", "desktop-4g", "--json",
+                             "--context", str(CONTEXT), "--vram", f"{tight}B", "--draft", str(artifact)])
+    assert result.exit_code == 0, result.output
+    assert "the draft's room costs the model" in json.loads(result.stdout)["engine"]["reason"]
+
+
 def test_a_draft_that_does_not_fit_beside_the_model_is_dropped_with_a_reason(artifact, monkeypatch, tmp_path):
     """On a GPU whose budget holds the model's least map but not the draft beside it, the tier runs
     without speculation and its draft carries why; with room, the draft stays and the map keeps it."""

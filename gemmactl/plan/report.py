@@ -152,6 +152,11 @@ def build_plan(
             plan.budget = Budget(vram_bytes, ram_bytes)
         engine = (plan_engine_or_say_the_longest(path, profile, vram_bytes, context, kv_cache, need)
                   if profile.has_gpu else None)
+        if engine is not None and need is not None:
+            from gemmactl.plan.auto import with_draft_cost
+
+            engine = with_draft_cost(engine, plan_engine_or_say_the_longest(path, profile, vram_bytes, context,
+                                                                            kv_cache))
         if engine is not None:
             from gemmactl.plan.engine_map import check_host_memory
 
