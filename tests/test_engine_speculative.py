@@ -124,6 +124,43 @@ def test_a_verify_step_of_fixed_width_pads_and_stays_exact(artifacts, draft_kind
         assert stats.rounds
 
 
+@pytest.mark.parametrize("layout", ["RRRR", "SRSR", "HSRS"])
+def test_a_verify_step_whose_rows_run_alone_gives_plain_decodings_tokens(artifacts, layout):
+    """rows_alone (a GPU's verify step where the decode step is not fused): each row runs each
+    device layer and the head alone, reading every slot as the captured step does, the host's layers
+    together; resident, streamed and host layers (the CPU standing in for the GPU). The tokens are
+    plain decoding's; without host layers a row's logits are a one-token step's (every slot read)
+    bit for bit (a host layer reads the written slots, as it does in the step captured around it)."""
+    from gemmactl.runtime.engine.graph import VerifyStep
+    from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
+
+    kinds = {"R": RESIDENT, "S": STREAMED, "H": HOST}
+    request = Request()
+    reference = _plain(_model(artifacts["target"]), request)
+    n = _model(artifacts["target"]).spec.n_layers
+    placement = EnginePlacement(tuple(kinds[layout[i % len(layout)]] for i in range(n)), tables_on_host=True)
+    target = GemmaModel(artifacts["target"], device="cpu", dtype=torch.float32, context=CONTEXT, spare_slots=4,
+                        placement=placement)
+    draft = _model(artifacts["coarse"], spare=4)
+    verifier = VerifyStep(target, 5, captured=False, rows_alone=True)
+    for k in (1, 4):
+        tokens, stats = _speculative(target, draft, k, request, verifier=verifier)
+        assert tokens == reference, (layout, k)
+        assert stats.rounds
+    if "H" in layout:
+        return
+    with torch.inference_mode():
+        target.reset()
+        n_prompt = len(PROMPT)
+        target.step(torch.tensor(PROMPT), torch.arange(n_prompt), n_prompt)
+        rows = verifier(reference[:4], n_prompt)
+        target.reset()
+        target.step(torch.tensor(PROMPT), torch.arange(n_prompt), n_prompt)
+        alone = torch.stack([target.step(torch.tensor([token]), torch.tensor([n_prompt + i]))
+                             for i, token in enumerate(reference[:4])])
+    assert torch.equal(rows, alone)
+
+
 def test_a_tuned_speculator_is_exact_and_says_what_it_decided(artifacts):
     request = Request()
     reference = _plain(_model(artifacts["target"]), request, steps=STEPS)

@@ -28,10 +28,11 @@ def capture_body(body, warmups: int):
     return graph, output
 
 
-def fill_rows(model, tokens: torch.Tensor, x, per_layer) -> None:
-    """The host's row gather for a captured step that starts from the gathered rows."""
+def fill_rows(model, tokens: torch.Tensor, x, per_layer, rows_alone: bool = False) -> None:
+    """The host's row gather for a captured step that starts from the gathered rows (rows_alone:
+    each token's projection alone, GemmaModel.embed_tokens)."""
     with torch.inference_mode():
-        rows, per_layer_rows = model.embed_tokens(tokens)
+        rows, per_layer_rows = model.embed_tokens(tokens, rows_alone)
         x.copy_(rows)
         if per_layer_rows is not None:
             per_layer.copy_(per_layer_rows)

@@ -83,7 +83,8 @@ def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str])
         with torch.inference_mode():
             verifier = VerifyStep(backend.model, draft.k_max + 1, step=backend.decoder.compiled_step(),
                                   captured=isinstance(backend.decoder.graph, torch.cuda.CUDAGraph),
-                                  forward=backend.decoder.fused_forward())
+                                  forward=backend.decoder.fused_forward(),
+                                  rows_alone=backend.model.device.type == "cuda" and not backend.decoder.compiled)
     except RuntimeError as exc:  # e.g. out of device memory for the verify step's graph
         notices.append(f"the verify step for the draft {draft.path} could not be captured ({_first_line(exc)}); "
                        "verifying eagerly")

@@ -169,20 +169,23 @@ class DecodeStep:
         return self.logits
 
 
-def capture(model, step, tokens: torch.Tensor, positions: torch.Tensor, all_logits: bool = False, forward=None):
+def capture(model, step, tokens: torch.Tensor, positions: torch.Tensor, all_logits: bool = False, forward=None,
+            rows_alone: bool = False):
     """(graph, logits, x, per_layer): model's step over the static tokens and positions captured in a
     CUDA graph, its logits a static output buffer. Where the embedding tables are in host memory the
     host's row gather stays outside: the graph starts from the gathered rows (x, per_layer, static
     buffers the caller fills before each replay; forward, fused or not, runs from them: model.forward
-    by default); else x and per_layer are None."""
+    by default); else x and per_layer are None. rows_alone: each row runs alone through the device's
+    layers and the head (GemmaModel.forward), as a one-token step does."""
     x = per_layer = None
+    alone = {"rows_alone": True} if rows_alone else {}
     if model.placement.tables_on_host:
         with torch.inference_mode():
-            x, per_layer = model.embed_tokens(tokens)
+            x, per_layer = model.embed_tokens(tokens, rows_alone)
         run = forward or model.forward
-        body = lambda: run(x, per_layer, positions, all_logits=all_logits)  # noqa: E731
+        body = lambda: run(x, per_layer, positions, all_logits=all_logits, **alone)  # noqa: E731
     else:
-        body = lambda: step(tokens, positions, all_logits=all_logits)  # noqa: E731
+        body = lambda: step(tokens, positions, all_logits=all_logits, **alone)  # noqa: E731
     graph, logits = capture_body(body, warmups=3)
     model.reset()  # the warm-up and capture wrote the first positions of the caches
     return graph, logits, x, per_layer
@@ -197,13 +200,26 @@ class VerifyStep:
     copies of its last token. Their keys land past the round's positions, where attention hides
     them (every slot records its position) and the next round overwrites them; a sliding layer's
     ring keeps k_max spare slots, so they never overwrite a key its window still needs. Eager where
-    there is no graph, and for a round whose padded tokens would run past the context."""
+    there is no graph, and for a round whose padded tokens would run past the context.
+
+    Greedy speculation must give plain decoding's tokens, so each row must get the logits a
+    one-token step gives it, bit for bit. On the CPU a batch does (the rows attend as one-token
+    steps do: rows_as_decode). On a GPU a row in a batch is rounded otherwise (other kernels, other
+    reduction splits; benchmarks/batch_invariance.py measures it), so the rows run alone through
+    each layer (rows_alone): exact where the decode step is captured unfused, as a model with
+    streamed or host layers has it; a streamed layer still crosses the link once a round. Where the
+    decode step is fused by torch.compile (every layer resident), the fused kernels of one row
+    differ from those of several, and the rows run batched: not exact there (docs/speculation.md)."""
 
     def __init__(self, model, width: int, step=None, captured: bool | None = None, pad: bool = False,
-                 forward=None):
+                 forward=None, rows_alone: bool | None = None):
         """pad: run the padded rounds eagerly where nothing is captured (the CPU tests check the
-        padding's rollback this way, with the arithmetic the graph replays)."""
+        padding's rollback this way, with the arithmetic the graph replays). rows_alone: by default
+        on a GPU where the step is not fused (no compiled step or forward given)."""
         self.model, self.width, self.pad = model, width, pad
+        if rows_alone is None:
+            rows_alone = model.device.type == "cuda" and step is None and forward is None
+        self.rows_alone = rows_alone
         device = model.device
         self.tokens = torch.zeros(width, dtype=torch.long, device=device)
         self.offsets = torch.arange(width, device=device)
@@ -214,7 +230,7 @@ class VerifyStep:
         if captured if captured is not None else wanted(GRAPH_ENV, model):
             self.graph, self.logits, self.x, self.per_layer = capture(model, step or model.step, self.tokens,
                                                                        self.positions, all_logits=True,
-                                                                       forward=forward)
+                                                                       forward=forward, rows_alone=rows_alone)
         self.setup_s = time.perf_counter() - start
 
     def __call__(self, tokens: list[int], position: int) -> torch.Tensor:
@@ -222,18 +238,21 @@ class VerifyStep:
         model, n = self.model, len(tokens)
         device = model.device
         as_decode = device.type == "cpu"  # the CPU's kernels are row-independent: exact (model._attention)
+        # Alone, the rows read the caches as the captured decode step does: every slot (end None).
+        exact = {"rows_alone": True} if self.rows_alone else {}
         if (self.graph is None and not self.pad) or n > self.width or position + self.width > model.context:
             with torch.inference_mode():
                 return model.step(torch.tensor(tokens, dtype=torch.long, device=device),
-                                  torch.arange(position, position + n, device=device), position + n, all_logits=True,
-                                  rows_as_decode=as_decode)
+                                  torch.arange(position, position + n, device=device),
+                                  None if self.rows_alone else position + n, all_logits=True,
+                                  rows_as_decode=as_decode, **exact)
         padded = tokens + tokens[-1:] * (self.width - n)
         self.tokens.copy_(torch.tensor(padded, dtype=torch.long))
         torch.add(self.offsets, position, out=self.positions)
         if self.graph is None:
             with torch.inference_mode():
-                return model.step(self.tokens, self.positions, all_logits=True, rows_as_decode=as_decode)[:n]
+                return model.step(self.tokens, self.positions, all_logits=True, rows_as_decode=as_decode, **exact)[:n]
         if model.placement.tables_on_host:
-            fill_rows(model, self.tokens, self.x, self.per_layer)
+            fill_rows(model, self.tokens, self.x, self.per_layer, self.rows_alone)
         self.graph.replay()
         return self.logits[:n]

@@ -322,8 +322,13 @@ class GemmaModel:
             rows = data.index_select(0, ids)
         return rows.to(self.device)
 
-    def embed_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(x [T, H], per-layer inputs [T, L, P] or None) for tokens [T]."""
+    def embed_tokens(self, tokens: torch.Tensor, rows_alone: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x [T, H], per-layer inputs [T, L, P] or None) for tokens [T]. rows_alone: each token's
+        projection alone, as a one-token step makes it (forward says why)."""
+        if rows_alone and tokens.shape[0] > 1:
+            rows = [self.embed_tokens(tokens[i:i + 1]) for i in range(tokens.shape[0])]
+            return (torch.cat([x for x, _ in rows]),
+                    torch.cat([p for _, p in rows]) if rows[0][1] is not None else None)
         x = self._gather(self.embed, tokens) * self.embed_scale  # [T, H]
         if not self.spec.ple_dim:
             return x, None
@@ -334,7 +339,7 @@ class GemmaModel:
         return x, (projected + token_part) * 2.0 ** -0.5
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, end: int | None = None,
-             all_logits: bool = False, rows_as_decode: bool = False) -> torch.Tensor:
+             all_logits: bool = False, rows_as_decode: bool = False, rows_alone: bool = False) -> torch.Tensor:
         """Run tokens [T] at positions [T] (consecutive, continuing the cache); returns the last
         token's logits [V] in float32.
 
@@ -343,16 +348,29 @@ class GemmaModel:
         slot is read and the unwritten ones masked. all_logits: every token's logits [T, V] instead.
         rows_as_decode: each token attends as a one-token step at its position would (speculation's
         verify step: _attention says why).
+        rows_alone: each token also runs every product and norm on the device alone, as a one-token
+        step does (forward says why).
         """
-        x, per_layer_inputs = self.embed_tokens(tokens)
-        return self.forward(x, per_layer_inputs, positions, end, all_logits, rows_as_decode=rows_as_decode)
+        x, per_layer_inputs = self.embed_tokens(tokens, rows_alone)
+        return self.forward(x, per_layer_inputs, positions, end, all_logits, rows_as_decode=rows_as_decode,
+                            rows_alone=rows_alone)
 
     def forward(self, x: torch.Tensor, per_layer_inputs: torch.Tensor | None, positions: torch.Tensor,
                 end: int | None = None, all_logits: bool = False, experts_of=None,
-                rows_as_decode: bool = False) -> torch.Tensor:
+                rows_as_decode: bool = False, rows_alone: bool = False) -> torch.Tensor:
         """experts_of: called with each MoE layer's `ExpertCall` (the experts' input and the router's
         choice), returns the experts' sum; by default the layer's block computes it. A captured
-        step ends one CUDA graph and begins the next there (runtime/engine/graph_moe.py)."""
+        step ends one CUDA graph and begins the next there (runtime/engine/graph_moe.py).
+
+        rows_alone (speculation's verify step on a GPU): layer by layer, each row runs the layer
+        alone, as a one-token step does, with `end` as the captured decode step has it (None: every
+        slot read, the unwritten masked), and the head takes each row alone. A GPU's kernels give
+        a row another rounding in a batch than alone (another kernel for a GEMV than for a few
+        rows, other reduction splits), which moves near-ties: greedy speculation must give plain
+        decoding's tokens. A layer still runs once for all the rows where it was copied in, so a
+        streamed layer crosses the link once a round. Layers on the host run the rows together
+        (rows_as_decode): the CPU's kernels give a row the same result in a batch (measured:
+        benchmarks/batch_invariance.py)."""
         # Positions, rope rows and per-layer inputs on each device a layer runs on.
         here = {dev: self.inputs_on(dev, positions, per_layer_inputs) for dev in self.devices}
         # A chunk of several tokens runs the host layers on the device too, streamed (see __init__).
@@ -364,10 +382,21 @@ class GemmaModel:
             staged = streamer is not None and s.index in streamer.staged
             if staged:
                 layer = self.staged_layers[s.index][streamer.fetch(s.index)]
-            dev = self.host if self.where[s.index] == HOST and not staged else self.device
-            x = self.layer_forward(layer, x.to(dev), *here[dev], end, rows_as_decode, experts_of)
+            on_host = self.where[s.index] == HOST and not staged
+            dev = self.host if on_host else self.device
+            if rows_alone and not on_host and x.shape[0] > 1:
+                at, rope, inputs = here[dev]
+                x = x.to(dev)
+                x = torch.cat([self.layer_forward(layer, x[i:i + 1], at[i:i + 1],
+                                                  {kind: (cos[i:i + 1], sin[i:i + 1]) for kind, (cos, sin) in rope.items()},
+                                                  inputs[i:i + 1] if inputs is not None else None, None, False, experts_of)
+                               for i in range(x.shape[0])])
+            else:
+                x = self.layer_forward(layer, x.to(dev), *here[dev], end, rows_as_decode or rows_alone, experts_of)
             if staged:
                 streamer.release(s.index)
+        if rows_alone and all_logits and x.shape[0] > 1:
+            return torch.stack([self.logits_of(x[i:i + 1]) for i in range(x.shape[0])])
         return self.logits_of(x, all_logits)
 
     def inputs_on(self, dev, positions: torch.Tensor, per_layer_inputs: torch.Tensor | None) -> tuple:
