@@ -422,19 +422,23 @@ def test_bench_reports_the_tuners_decision(run_artifacts, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compile_", ["auto", "off"])
 @pytest.mark.parametrize("draft_kind", ["coarse", "other"])
-def test_gpu_captured_verify_step_gives_plain_decodings_tokens(artifacts, draft_kind):
+def test_gpu_captured_verify_step_gives_plain_decodings_tokens(artifacts, draft_kind, compile_, monkeypatch):
     """On CUDA: the target's decode step and its verify step (k_max + 1 tokens, padded) both
     captured, the draft's decode step too; greedy tokens equal plain decoding through the captured
-    decode step, at every draft length."""
-    from gemmactl.runtime.engine.graph import DecodeStep, VerifyStep
+    decode step, at every draft length. Fused (auto) the verify step's rows run together; unfused
+    (as a streamed model's step is) they run alone through each layer (rows_alone)."""
+    from gemmactl.runtime.engine.graph import COMPILE_ENV, DecodeStep, VerifyStep
 
+    monkeypatch.setenv(COMPILE_ENV, compile_)
     request = Request()
     target = GemmaModel(artifacts["target"], device="cuda", dtype=torch.bfloat16, context=CONTEXT, spare_slots=4)
     draft = GemmaModel(artifacts[draft_kind], device="cuda", dtype=torch.bfloat16, context=CONTEXT, spare_slots=4)
     decoder, draft_decoder = DecodeStep(target), DecodeStep(draft)
     verifier = VerifyStep(target, 5, step=decoder.compiled_step())
     assert decoder.graph is not None and verifier.graph is not None
+    assert verifier.rows_alone == (compile_ == "off")
     prompt = torch.tensor(PROMPT, device="cuda")
     steps = CONTEXT - len(PROMPT)
 

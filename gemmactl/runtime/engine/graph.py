@@ -215,10 +215,11 @@ class VerifyStep:
                  forward=None, rows_alone: bool | None = None):
         """pad: run the padded rounds eagerly where nothing is captured (the CPU tests check the
         padding's rollback this way, with the arithmetic the graph replays). rows_alone: by default
-        on a GPU where the step is not fused (no compiled step or forward given)."""
+        on a GPU where the step is not fused (step the model's own, no fused forward)."""
         self.model, self.width, self.pad = model, width, pad
         if rows_alone is None:
-            rows_alone = model.device.type == "cuda" and step is None and forward is None
+            fused = forward is not None or (step is not None and step != model.step)
+            rows_alone = model.device.type == "cuda" and not fused
         self.rows_alone = rows_alone
         device = model.device
         self.tokens = torch.zeros(width, dtype=torch.long, device=device)
