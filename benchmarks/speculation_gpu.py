@@ -193,6 +193,7 @@ def main() -> None:
               "vram": args.vram, "placement": placement.reason if placement is not None else "every layer resident",
               "tokens": args.tokens, "repeats": args.repeats, "build_s": round(build_s, 1), "load_s": round(load_s, 1),
               "verify_captured": speculator.verifier.graph is not None,
+              "verify_rows_alone": speculator.verifier.rows_alone,
               "verify_setup_s": round(speculator.verifier.setup_s, 1),
               "draft_captured": speculator.draft_decoder.graph is not None, "alphas": {}}
     if torch.cuda.is_available():
