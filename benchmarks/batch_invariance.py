@@ -34,9 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-PROMPT = [2, 818, 5279, 529, 7001, 563, 9079, 236764, 532, 506, 5279, 529]  # token ids (any vocabulary ≥ 10k)
+PROMPT = [2, 818, 5279, 529, 7001, 563, 9079, 236764, 532, 506, 5279, 529]  # token ids of Gemma's 262,144-token vocabulary
 
 
 def compare_rows(fn, x: torch.Tensor) -> dict:
@@ -78,14 +76,14 @@ def steps(model, rows: int, count: int, alone: bool = True) -> dict:
     """Plain decoding's steps (graph.DecodeStep: captured where the engine captures it) against
     speculation's verify steps of `rows` tokens (graph.VerifyStep, as the speculator builds it)
     over the tokens plain decoding chose, from the same prompt."""
-    from gemmactl.runtime.engine.graph import DecodeStep, VerifyStep
+    from gemmactl.runtime.engine.graph import DecodeStep, VerifyStep, rows_alone_wanted
 
     device = model.device
     prompt = torch.tensor(PROMPT, device=device)
     n = len(PROMPT)
     decoder = DecodeStep(model)
     verifier = VerifyStep(model, rows, step=decoder.compiled_step(), forward=decoder.fused_forward(),
-                          rows_alone=alone and device.type == "cuda" and not decoder.compiled)
+                          rows_alone=alone and rows_alone_wanted(decoder))
     with torch.inference_mode():
         model.reset()
         logits = model.step(prompt, torch.arange(n, device=device), n)

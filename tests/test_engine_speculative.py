@@ -139,14 +139,26 @@ def test_a_verify_step_whose_rows_run_alone_gives_plain_decodings_tokens(artifac
     reference = _plain(_model(artifacts["target"]), request)
     n = _model(artifacts["target"]).spec.n_layers
     placement = EnginePlacement(tuple(kinds[layout[i % len(layout)]] for i in range(n)), tables_on_host=True)
+    # host layers also kept for the device, as on a GPU, where a chunk of tokens computes them there
     target = GemmaModel(artifacts["target"], device="cpu", dtype=torch.float32, context=CONTEXT, spare_slots=4,
-                        placement=placement)
+                        placement=placement, prefill_host_layers_on_device=True)
     draft = _model(artifacts["coarse"], spare=4)
     verifier = VerifyStep(target, 5, captured=False, rows_alone=True)
+    batched = set()  # layers that ran several rows attending as one-token steps (a verify step's, together)
+    plain_layer = target.layer_forward
+
+    def layer_forward(layer, x, at, rope, inputs, end=None, rows_as_decode=False, experts_of=None):
+        if rows_as_decode and x.shape[0] > 1:
+            batched.add(layer.spec.index)
+        return plain_layer(layer, x, at, rope, inputs, end, rows_as_decode, experts_of)
+
+    target.layer_forward = layer_forward
     for k in (1, 4):
         tokens, stats = _speculative(target, draft, k, request, verifier=verifier)
         assert tokens == reference, (layout, k)
         assert stats.rounds
+    # the host's layers ran the rows together (on the host, not staged for the device), no other layer did
+    assert batched == {index for index, kind in enumerate(placement.layers) if kind == HOST}
     if "H" in layout:
         return
     with torch.inference_mode():
@@ -249,7 +261,7 @@ def test_tuner_prices_a_round_by_a_line_through_the_draft_lengths_it_measured():
         tuner.record_round(3, 1, draft_s=0.003, verify_s=0.014)
     assert tuner.round_line() == pytest.approx((0.014, 0.001))
     assert tuner.next_k(100) == 3
-    assert tuner.summary()["round_ms"] == pytest.approx(14.0) and tuner.summary()["round_ms_per_draft"] == pytest.approx(1.0)
+    assert tuner.summary()["round_fixed_ms"] == pytest.approx(14.0) and tuner.summary()["round_ms_per_draft"] == pytest.approx(1.0)
 
     grows = Tuner(k_max=6)  # a verify step of 8 ms + 3 ms a draft: the same 14 ms at k=2
     grows.record_plain(0.010)
@@ -429,14 +441,14 @@ def test_gpu_captured_verify_step_gives_plain_decodings_tokens(artifacts, draft_
     captured, the draft's decode step too; greedy tokens equal plain decoding through the captured
     decode step, at every draft length. Fused (auto) the verify step's rows run together; unfused
     (as a streamed model's step is) they run alone through each layer (rows_alone)."""
-    from gemmactl.runtime.engine.graph import COMPILE_ENV, DecodeStep, VerifyStep
+    from gemmactl.runtime.engine.graph import COMPILE_ENV, DecodeStep, VerifyStep, rows_alone_wanted
 
     monkeypatch.setenv(COMPILE_ENV, compile_)
     request = Request()
     target = GemmaModel(artifacts["target"], device="cuda", dtype=torch.bfloat16, context=CONTEXT, spare_slots=4)
     draft = GemmaModel(artifacts[draft_kind], device="cuda", dtype=torch.bfloat16, context=CONTEXT, spare_slots=4)
     decoder, draft_decoder = DecodeStep(target), DecodeStep(draft)
-    verifier = VerifyStep(target, 5, step=decoder.compiled_step())
+    verifier = VerifyStep(target, 5, step=decoder.compiled_step(), rows_alone=rows_alone_wanted(decoder))
     assert decoder.graph is not None and verifier.graph is not None
     assert verifier.rows_alone == (compile_ == "off")
     prompt = torch.tensor(PROMPT, device="cuda")

@@ -187,7 +187,7 @@ def with_draft_cost(beside, alone):
     with the same map (its tuner cannot see the other); a draft under a tight budget can cost more
     than it gives: under 4 GiB on an H100 an E4B target beside an E2B draft decoded 22.8 tok/s
     plainly and 34.4 speculating, where alone it decoded 91.2 (docs/benchmarks.md)."""
-    if alone.decode_tok_s <= beside.decode_tok_s * DRAFT_COST_SHOWN:
+    if beside.decode_tok_s <= 0 or alone.decode_tok_s <= beside.decode_tok_s * DRAFT_COST_SHOWN:
         return beside
     need = alone.decode_tok_s / beside.decode_tok_s
     return replace(beside, reason=f"{beside.reason}; the draft's room costs the model: {beside.decode_tok_s:.1f} "

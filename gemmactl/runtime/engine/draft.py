@@ -41,7 +41,7 @@ def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str])
     import torch
     from transformers import AutoTokenizer
 
-    from gemmactl.runtime.engine.graph import DecodeStep, VerifyStep
+    from gemmactl.runtime.engine.graph import DecodeStep, VerifyStep, rows_alone_wanted
     from gemmactl.runtime.engine.model import GemmaModel
     from gemmactl.runtime.engine.speculative import Speculator, Tuner
     from gemmactl.runtime.int4_backend import open_runnable_artifact
@@ -79,16 +79,16 @@ def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str])
         raise InvalidOptionError(
             f"the draft {draft.path} scores {model.spec.vocab:,} tokens and the model {backend.model_path} "
             f"{backend.model.spec.vocab:,}", hint="A draft must share its target's vocabulary and output width.")
+    alone = rows_alone_wanted(backend.decoder)
     try:
         with torch.inference_mode():
             verifier = VerifyStep(backend.model, draft.k_max + 1, step=backend.decoder.compiled_step(),
                                   captured=isinstance(backend.decoder.graph, torch.cuda.CUDAGraph),
-                                  forward=backend.decoder.fused_forward(),
-                                  rows_alone=backend.model.device.type == "cuda" and not backend.decoder.compiled)
+                                  forward=backend.decoder.fused_forward(), rows_alone=alone)
     except RuntimeError as exc:  # e.g. out of device memory for the verify step's graph
         notices.append(f"the verify step for the draft {draft.path} could not be captured ({_first_line(exc)}); "
                        "verifying eagerly")
-        verifier = None  # the Speculator's own, eager
+        verifier = VerifyStep(backend.model, draft.k_max + 1, captured=False, rows_alone=alone)
     speculator = Speculator(backend.model, model, Tuner(draft.k_max, fixed=None if draft.tune else draft.k_max), step,
                             verifier)
     speculator.draft_path = draft.path

@@ -191,6 +191,17 @@ def capture(model, step, tokens: torch.Tensor, positions: torch.Tensor, all_logi
     return graph, logits, x, per_layer
 
 
+def rows_alone_wanted(decoder) -> bool:
+    """Whether the verify step beside this DecodeStep runs its rows alone: on a GPU, where the
+    decode step is captured (whole, or in pieces around host layers: every slot read) and not
+    fused, and the model has no MoE experts (whose per-row routing is not measured)."""
+    from gemmactl.runtime.engine.graph_host import HostPiecesDecode
+
+    model = decoder.model
+    captured = isinstance(decoder.graph, (torch.cuda.CUDAGraph, HostPiecesDecode))
+    return model.device.type == "cuda" and captured and not decoder.compiled and model.experts is None
+
+
 class VerifyStep:
     """Speculation's verify step: the target runs the pending token and k drafts at once and
     returns every position's logits.
@@ -206,20 +217,19 @@ class VerifyStep:
     one-token step gives it, bit for bit. On the CPU a batch does (the rows attend as one-token
     steps do: rows_as_decode). On a GPU a row in a batch is rounded otherwise (other kernels, other
     reduction splits; benchmarks/batch_invariance.py measures it), so the rows run alone through
-    each layer (rows_alone): exact where the decode step is captured unfused, as a model with
-    streamed or host layers has it; a streamed layer still crosses the link once a round. Where the
-    decode step is fused by torch.compile (every layer resident), the fused kernels of one row
-    differ from those of several, and the rows run batched: not exact there (docs/speculation.md)."""
+    each layer on the GPU (rows_alone) where the decode step is captured unfused, as a model with
+    streamed or host layers has it; the host's layers run the rows together, on the host, as the
+    decode step runs them; a streamed layer still crosses the link once a round. Where the decode
+    step is fused by torch.compile (every layer resident), the fused kernels of one row differ
+    from those of several, and the rows run batched: not exact there (docs/speculation.md)."""
 
     def __init__(self, model, width: int, step=None, captured: bool | None = None, pad: bool = False,
-                 forward=None, rows_alone: bool | None = None):
+                 forward=None, rows_alone: bool = False):
         """pad: run the padded rounds eagerly where nothing is captured (the CPU tests check the
-        padding's rollback this way, with the arithmetic the graph replays). rows_alone: by default
-        on a GPU where the step is not fused (step the model's own, no fused forward)."""
+        padding's rollback this way, with the arithmetic the graph replays). rows_alone: the rows
+        alone through the device's layers, reading every slot as a captured decode step does
+        (rows_alone_wanted says where)."""
         self.model, self.width, self.pad = model, width, pad
-        if rows_alone is None:
-            fused = forward is not None or (step is not None and step != model.step)
-            rows_alone = model.device.type == "cuda" and not fused
         self.rows_alone = rows_alone
         device = model.device
         self.tokens = torch.zeros(width, dtype=torch.long, device=device)

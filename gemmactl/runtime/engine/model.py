@@ -374,7 +374,9 @@ class GemmaModel:
         # Positions, rope rows and per-layer inputs on each device a layer runs on.
         here = {dev: self.inputs_on(dev, positions, per_layer_inputs) for dev in self.devices}
         # A chunk of several tokens runs the host layers on the device too, streamed (see __init__).
-        streamer = self.prefill_streamer if x.shape[0] > 1 and self.prefill_streamer is not None else self.streamer
+        # (Not the verify step's rows: its host layers run on the host, as the decode step's do.)
+        chunk = x.shape[0] > 1 and not (rows_as_decode or rows_alone)
+        streamer = self.prefill_streamer if chunk and self.prefill_streamer is not None else self.streamer
         if streamer is not None:
             streamer.begin()
         for layer in self.layers:

@@ -9,7 +9,7 @@ with them, so a round yields 1 to k + 1 tokens for one target step.
 - Greedy: a draft is kept when it is the target's argmax (after the repeat penalty over the
   tokens before it), so the tokens are plain decoding's. (The rule is exact; a k+1-token step may
   round differently from k+1 one-token steps, other kernels or another summation order, which
-  could move a near-tie: equal on the CPU in the tests, not yet measured on a GPU.)
+  could move a near-tie: graph.VerifyStep says how the verify step keeps each row's numbers.)
 - Sampled: the standard rejection rule (Leviathan et al. 2023; Chen et al. 2023): a draft x drawn
   from q is kept with probability min(1, p(x)/q(x)); at the first rejection a token is drawn from
   max(0, p − q) renormalized; so every token is distributed as p, the target's own distribution
@@ -43,6 +43,7 @@ PROBE_EVERY_MAX = 1024
 PROBE_SHARE = 0.02  # a failed probe waits at least until its cost is this share of the plain decoding since
 PROBE_K = 2  # drafts in a probing round (a bad draft costs least at a short length)
 DECAY = 0.9  # weight of the past in the acceptance counts and step times, per round
+K_SPREAD = 0.1  # the weighted variance of the rounds' draft lengths past which round_line fits a line
 PLAIN_FIRST = 2  # plain steps that measure the target's own rate before the first round
 REFRESH_EVERY = 64  # rounds between plain steps that keep the plain rate current while speculating
 REPLAY_MAX = 16  # pending tokens the draft reads one replay of its decode step each (more: a chunked step)
@@ -127,8 +128,8 @@ class Tuner:
         alike. Priced per draft, the tuner drafted 2 tokens a round and decoded half its tokens
         plainly: 1.03× plain, where 4 drafts every round measured 1.51× (docs/benchmarks.md)."""
         w, wk, wkk, wt, wkt = self.sums
-        det = w * wkk - wk * wk
-        if w > 0 and det > 1e-6 * w * wkk:  # the draft lengths measured differ
+        if w > 0 and wkk / w - (wk / w) ** 2 >= K_SPREAD:  # the draft lengths measured, still weighed, differ
+            det = w * wkk - wk * wk
             b = (w * wkt - wk * wt) / det
             a = (wt - b * wk) / w
             if a > 0 and b > 0:
@@ -139,7 +140,7 @@ class Tuner:
         """(k, predicted tokens per second) of the best draft length up to cap."""
         alpha = min(self.alpha or 0.0, 0.999)
         a, b = self.round_line()
-        rates = [(expected_tokens(alpha, k) / (a + b * k), k) for k in range(1, cap + 1)]
+        rates = [(expected_tokens(alpha, k) / max(a + b * k, 1e-9), k) for k in range(1, cap + 1)]
         rate, k = max(rates)
         return k, rate
 
@@ -172,7 +173,7 @@ class Tuner:
                 "k": self.fixed if self.fixed is not None else (self.best(self.k_max)[0] if predicted else None),
                 "acceptance_estimate": None if self.alpha is None else round(self.alpha, 3),
                 "plain_step_ms": ms(self.t_plain), "draft_step_ms": ms(self.t_draft),
-                "verify_step_ms": ms(self.t_verify), "round_ms": ms(a), "round_ms_per_draft": ms(b),
+                "verify_step_ms": ms(self.t_verify), "round_fixed_ms": ms(a), "round_ms_per_draft": ms(b),
                 "predicted_speedup": predicted,
                 "rounds_on": self.decisions["on"], "rounds_off": self.decisions["off"],
                 "probe_every": self.probe_every}
