@@ -173,6 +173,31 @@ def test_a_verify_step_whose_rows_run_alone_gives_plain_decodings_tokens(artifac
     assert torch.equal(rows, alone)
 
 
+@pytest.mark.parametrize("device, graph, compiled, experts, alone", [
+    ("cuda", "whole", False, None, True),    # captured unfused (streamed layers, or compile off)
+    ("cuda", "pieces", False, None, True),   # captured around host layers
+    ("cuda", "whole", True, None, False),    # fused: one row's kernels are not several rows'
+    ("cuda", None, False, None, False),      # eager decode step: it reads the written slots only
+    ("cuda", "whole", False, "experts", False),  # MoE: per-row routing not measured
+    ("cpu", None, False, None, False),       # the CPU's batch is exact as it is
+])
+def test_the_verify_step_runs_rows_alone_beside_a_captured_unfused_dense_step(device, graph, compiled, experts,
+                                                                            alone, monkeypatch):
+    from types import SimpleNamespace
+
+    import gemmactl.runtime.engine.graph_host as graph_host
+    from gemmactl.runtime.engine.graph import rows_alone_wanted
+
+    class Graph:  # stands in for torch.cuda.CUDAGraph, which needs a GPU to make
+        pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    made = {"whole": Graph(), "pieces": graph_host.HostPiecesDecode.__new__(graph_host.HostPiecesDecode), None: None}
+    decoder = SimpleNamespace(model=SimpleNamespace(device=torch.device(device), experts=experts),
+                              graph=made[graph], compiled=compiled)
+    assert rows_alone_wanted(decoder) == alone
+
+
 def test_a_tuned_speculator_is_exact_and_says_what_it_decided(artifacts):
     request = Request()
     reference = _plain(_model(artifacts["target"]), request, steps=STEPS)
