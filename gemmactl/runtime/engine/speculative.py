@@ -49,6 +49,11 @@ REFRESH_EVERY = 64  # rounds between plain steps that keep the plain rate curren
 REPLAY_MAX = 16  # pending tokens the draft reads one replay of its decode step each (more: a chunked step)
 
 
+def _decayed(old: float | None, new: float) -> float:
+    """A time's running estimate: the past weighed DECAY, the new measurement the rest."""
+    return new if old is None else DECAY * old + (1 - DECAY) * new
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens a round yields when each draft is kept with probability alpha: 1 + α + … + α^k."""
     if alpha >= 1.0:
@@ -145,7 +150,7 @@ class Tuner:
         return k, rate
 
     def record_plain(self, seconds: float) -> None:
-        self.t_plain = seconds if self.t_plain is None else DECAY * self.t_plain + (1 - DECAY) * seconds
+        self.t_plain = _decayed(self.t_plain, seconds)
         self.plain_since += 1
         self.rounds_since_plain = 0
 
@@ -153,9 +158,8 @@ class Tuner:
         self.t_probe = catch_up_s + draft_s + verify_s
         self.accepted = DECAY * self.accepted + kept
         self.rejected = DECAY * self.rejected + (1 if kept < k else 0)
-        decayed = lambda old, new: new if old is None else DECAY * old + (1 - DECAY) * new  # noqa: E731
-        self.t_draft = decayed(self.t_draft, draft_s / k)
-        self.t_verify = decayed(self.t_verify, verify_s)
+        self.t_draft = _decayed(self.t_draft, draft_s / k)
+        self.t_verify = _decayed(self.t_verify, verify_s)
         seconds = draft_s + verify_s
         self.sums = [DECAY * total + value for total, value in zip(self.sums, (1.0, k, k * k, seconds, k * seconds))]
         self.plain_since = 0
