@@ -18,7 +18,8 @@ bfloat16, the kernels it picks on this device):
    tokens plain decoding chose: per row the largest logit difference, whether its argmax moved,
    and the margin between the top two logits of the plain step. The verify step runs its rows
    alone through the device's layers where the engine does (rows_alone, on a GPU with the step
-   unfused); --batched runs them together, as it did before. (GEMMACTL_ENGINE_COMPILE=off
+   unfused); --batched runs them together, as it did before; --alone runs them alone wherever
+   (also through a fused step, compiled once more for the rows alone). (GEMMACTL_ENGINE_COMPILE=off
    measures the steps captured without fusion, as a streamed model's are, and saves the compile.)
 
 Prints one JSON object (and writes it to --out).
@@ -72,7 +73,7 @@ def kernels(model, rows: int, generator) -> dict:
     return found
 
 
-def steps(model, rows: int, count: int, alone: bool = True) -> dict:
+def steps(model, rows: int, count: int, alone: str = "auto") -> dict:
     """Plain decoding's steps (graph.DecodeStep: captured where the engine captures it) against
     speculation's verify steps of `rows` tokens (graph.VerifyStep, as the speculator builds it)
     over the tokens plain decoding chose, from the same prompt."""
@@ -83,7 +84,7 @@ def steps(model, rows: int, count: int, alone: bool = True) -> dict:
     n = len(PROMPT)
     decoder = DecodeStep(model)
     verifier = VerifyStep(model, rows, step=decoder.compiled_step(), forward=decoder.fused_forward(),
-                          rows_alone=alone and rows_alone_wanted(decoder))
+                          rows_alone=alone == "on" or (alone == "auto" and rows_alone_wanted(decoder)))
     with torch.inference_mode():
         model.reset()
         logits = model.step(prompt, torch.arange(n, device=device), n)
@@ -121,6 +122,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--batched", action="store_true", help="the verify step's rows together, not alone")
+    parser.add_argument("--alone", action="store_true",
+                        help="the verify step's rows alone even where the engine batches them (a fused step)")
     args = parser.parse_args()
     from gemmactl.formats.int4.reader import open_artifact
     from gemmactl.runtime.engine.model import GemmaModel
@@ -132,7 +135,7 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "torch": torch.__version__,
               "load_s": round(time.perf_counter() - start, 1),
               "kernels": kernels(model, args.rows, torch.Generator().manual_seed(0)),
-              "step": steps(model, args.rows, args.steps, not args.batched)}
+              "step": steps(model, args.rows, args.steps, "off" if args.batched else "on" if args.alone else "auto")}
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text)

@@ -104,7 +104,7 @@ def summarize(pairs: list, tuner) -> dict:
     row["same_text"] = all(run["text"] == base["text"] for base, run in pairs)  # greedy: must hold
     spec = pairs[-1][1]["speculation"]
     row.update(acceptance=spec["acceptance"], rounds=spec["rounds"], plain_steps=spec["plain_steps"],
-               tokens_per_round=spec["tokens_per_round"], tuner=tuner.summary())
+               tokens_per_round=spec["tokens_per_round"], catch_up_s=spec["catch_up_s"], tuner=tuner.summary())
     return row
 
 

@@ -626,11 +626,12 @@ def test_gpu_int8_rows_keep_their_bytes_and_match_the_dequantized_product():
         assert (y.float() - want).abs().max() <= 0.02 * want.abs().max()
 
 
-_INTERPRETED_FEW = """
-import torch
+_INTERPRETED_TOKENS = """
+import os, torch
 from gemmactl.formats.int4.quant import dequantize_int8_rows, quantize_int8_rows
 from gemmactl.runtime.engine import int8_gemv
 
+os.environ[int8_gemv.TILE_ENV] = "16,256,4"  # a tile whose K splits on larger GPUs
 torch.manual_seed(0)
 q, scales = quantize_int8_rows(torch.randn(300, 1100))
 dense = dequantize_int8_rows(q, scales)
@@ -639,51 +640,58 @@ for sms in (1, 8, 40):
     int8_gemv._sms = lambda device: sms
     for tokens in (2, 5, 16):
         x = torch.randn(tokens, 1100).to(torch.bfloat16)
-        seen.add(int8_gemv.split(300, 1100, sms, int8_gemv.FEW_TILE))
-        y = int8_gemv.int8_rows_few(x, q, scales)
+        seen.add(int8_gemv.split(300, 1100, sms))
+        y = int8_gemv.int8_rows_gemv(x, q, scales)
         want = x.float() @ dense.t()
         err = (y.float() - want).abs().max().item()
         assert y.shape == (tokens, 300) and err <= 0.01 * want.abs().max().item(), (sms, tokens, err)
+        alone = torch.stack([int8_gemv.int8_rows_gemv(x[i], q, scales) for i in range(tokens)])
+        assert torch.equal(y, alone), (sms, tokens)
 print(len(seen))
 """
 
 
-def test_int8_rows_few_tokens_kernel_equals_the_dequantized_product():
-    """The verify step's kernel (2 to 16 tokens through tl.dot) in Triton's interpreter, with K split
-    as GPUs of several sizes split it, on a matrix whose sides are no multiple of the tile."""
+def test_int8_rows_kernel_gives_each_of_a_few_tokens_its_one_token_result():
+    """A verify step's few tokens (2 to 16) through the GEMV in one launch, in Triton's interpreter,
+    with K split as GPUs of several sizes split it: the dequantized product, and each row the one
+    token's result bit for bit (the same products and sums in the same order)."""
     import os
     import subprocess
     import sys
 
     pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_FEW], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_TOKENS], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout) >= 2
 
 
 @gpu
-def test_gpu_int8_rows_few_tokens_match_the_block_path():
-    """2 to 16 tokens through the few-token kernel, eager and compiled inside a captured graph, equal
-    the dequantized product up to bfloat16 rounding; 17 tokens take the block path."""
+def test_gpu_int8_rows_few_tokens_are_each_the_one_token_result():
+    """2 to 16 tokens through the GEMV in one launch, eager and compiled inside a captured graph:
+    each row equals the token alone bit for bit (the head's shape, split and not), and the
+    dequantized product up to bfloat16 rounding; 17 tokens take the block path."""
     from gemmactl.runtime.engine.kernels import Int8Linear
 
-    q, scales, dense = _int8_rows(262_144 // 16, 2560, "cuda")
-    linear = Int8Linear(q, scales)
-    for tokens in (2, 5, 16, 17):
-        x = torch.randn(tokens, 2560, device="cuda", dtype=torch.bfloat16)
-        want = x.float() @ dense.t()
-        assert (linear(x).float() - want).abs().max() <= 0.02 * want.abs().max(), tokens
-    static = torch.randn(5, 2560, device="cuda", dtype=torch.bfloat16)
-    compiled = torch.compile(lambda v: linear(v), fullgraph=True, dynamic=False)
-    compiled(static)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = compiled(static)
-    static.copy_(torch.randn(5, 2560, device="cuda", dtype=torch.bfloat16))
-    graph.replay()
-    want = static.float() @ dense.t()
-    assert (captured.float() - want).abs().max() <= 0.02 * want.abs().max()
+    for rows, cols in ((262_144 // 16, 2560), (2560, 10240)):
+        q, scales, dense = _int8_rows(rows, cols, "cuda")
+        linear = Int8Linear(q, scales)
+        for tokens in (2, 5, 16, 17):
+            x = torch.randn(tokens, cols, device="cuda", dtype=torch.bfloat16)
+            want = x.float() @ dense.t()
+            y = linear(x)
+            assert (y.float() - want).abs().max() <= 0.02 * want.abs().max(), tokens
+            if tokens <= 16:
+                assert torch.equal(y, torch.cat([linear(x[i:i + 1]) for i in range(tokens)])), (rows, tokens)
+        static = torch.randn(5, cols, device="cuda", dtype=torch.bfloat16)
+        compiled = torch.compile(lambda v: linear(v), fullgraph=True, dynamic=False)
+        compiled(static)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = compiled(static)
+        static.copy_(torch.randn(5, cols, device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        assert torch.equal(captured, torch.cat([linear(static[i:i + 1]) for i in range(5)]))
 
 
 def test_an_artifact_the_engine_cannot_run_is_named_with_what_it_runs():

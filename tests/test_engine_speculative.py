@@ -173,6 +173,51 @@ def test_a_verify_step_whose_rows_run_alone_gives_plain_decodings_tokens(artifac
     assert torch.equal(rows, alone)
 
 
+@pytest.mark.parametrize("replayed", [False, True])
+@pytest.mark.parametrize("alone", [True, False])
+@pytest.mark.parametrize("layout", ["HSRS", "RHSH"])
+def test_a_verify_step_cut_around_the_host_layers_gives_plain_decodings_tokens(artifacts, layout, alone, replayed):
+    """Beside a decode step cut around its host layers, the verify step is cut the same way
+    (graph_host.HostPiecesDecode of width k_max + 1): its GPU stretches run the rows (alone, or
+    together), the host's layers between them run the rows together, the last stretch gives every
+    row's logits. Run eagerly with the CPU standing in for the GPU, and through the captured path's
+    wiring (static buffers, a stand-in for a graph's replay): plain decoding's tokens."""
+    from gemmactl.runtime.engine.graph import VerifyStep
+    from gemmactl.runtime.engine.graph_host import HostPiecesDecode
+    from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
+
+    class Replayed(HostPiecesDecode):
+        """A replay runs the body again over the static input it was captured with."""
+
+        def _capture(self, body, x):
+            out = body(x)
+
+            class Graph:
+                def replay(self):
+                    out.copy_(body(x))
+
+            self.bodies.append(Graph())
+            return out
+
+    kinds = {"R": RESIDENT, "S": STREAMED, "H": HOST}
+    request = Request()
+    reference = _plain(_model(artifacts["target"]), request)
+    n = _model(artifacts["target"]).spec.n_layers
+    placement = EnginePlacement(tuple(kinds[layout[i % len(layout)]] for i in range(n)), tables_on_host=True)
+    target = GemmaModel(artifacts["target"], device="cpu", dtype=torch.float32, context=CONTEXT, spare_slots=4,
+                        placement=placement)
+    draft = _model(artifacts["coarse"], spare=4)
+    verifier = VerifyStep(target, 5, captured=False, pieces=not replayed, rows_alone=alone)
+    if replayed:
+        verifier.graph = Replayed(target, capture=True, width=5, rows_alone=alone)
+    assert isinstance(verifier.graph, HostPiecesDecode) and verifier.graph.width == 5
+    assert verifier.graph.rows_alone == alone
+    for k in (1, 4):
+        tokens, stats = _speculative(target, draft, k, request, verifier=verifier)
+        assert tokens == reference, (layout, alone, k)
+        assert stats.rounds
+
+
 @pytest.mark.parametrize("device, graph, compiled, experts, alone", [
     ("cuda", "whole", False, None, True),    # captured unfused (streamed layers, or compile off)
     ("cuda", "pieces", False, None, True),   # captured around host layers
@@ -298,6 +343,78 @@ def test_tuner_prices_a_round_by_a_line_through_the_draft_lengths_it_measured():
         grows.record_round(3, 1, draft_s=0.003, verify_s=0.017)
     assert grows.round_line() == pytest.approx((0.008, 0.004), rel=1e-6)
     assert grows.next_k(100) == 1  # 1.5 tokens in 12 ms: still above plain's 100 a second
+
+
+def test_tuner_speculates_only_where_the_tokens_left_pay_for_the_drafts_reading():
+    """Rounds that save 2 ms a token (4 drafts kept, 30 ms a round against 8 ms a plain step): where
+    the draft must first read 100 tokens at 1 ms each (a new prompt), 30 tokens left do not pay for
+    it and 80 do; with nothing to read, or the tokens left unknown, it speculates."""
+    tuner = Tuner(k_max=4)
+    tuner.record_plain(0.008)
+    tuner.record_plain(0.008)
+    assert tuner.next_k(1000) == 2
+    for _ in range(10):
+        tuner.record_round(4, 4, draft_s=0.016, verify_s=0.014, catch_up_s=0.1, caught_up=100)
+    assert tuner.summary()["catch_up_ms_per_token"] == pytest.approx(1.0)
+    assert tuner.next_k(1000, left=30, behind=100) == 0  # saves 60 ms, reading costs 100
+    assert tuner.summary()["not_worth_catching_up"] == 1
+    assert tuner.next_k(1000, left=80, behind=100) == 4  # saves 160 ms
+    assert tuner.next_k(1000, left=30, behind=0) == 4
+    assert tuner.next_k(1000, left=None, behind=100) == 4
+
+
+def test_tuner_prices_the_callers_time_with_each_round_and_step():
+    """The caller's handling of a round's tokens (after_s) is part of the round's price: rounds that
+    take 18 ms to make 5 tokens pay against 4 ms plain steps, but not once the caller takes 1 ms
+    for each token (23 ms for 5); they pay again when the plain steps carry the caller's time too
+    (5 ms), as they do when measured up to the caller's next request."""
+    tuner = Tuner(k_max=4)
+    tuner.record_plain(0.004)
+    tuner.record_plain(0.004)
+    tuner.next_k(1000)
+    for _ in range(30):
+        tuner.record_round(4, 4, draft_s=0.008, verify_s=0.010, after_s=0.005)
+    assert tuner.round_line() == pytest.approx((0.015, 0.002))
+    assert tuner.next_k(1000) == 0
+    for _ in range(40):
+        tuner.record_plain(0.005)
+    assert tuner.next_k(1000) == 4
+
+
+def test_the_speculator_prices_what_the_caller_waits_for():
+    """Speculator.tokens measures a plain step and a round until the caller asks for the next token:
+    a caller that takes 20 ms over each token shows in the tuner's plain step and round times."""
+    import time as time_module
+
+    tuner = Tuner(k_max=2, fixed=None)
+
+    class Model:  # the target and draft: every step's logits choose token 3
+        device = torch.device("cpu")
+        vocab = 8
+
+        def reset(self):
+            pass
+
+        def step(self, tokens, positions, end=None, all_logits=False, **_):
+            logits = torch.zeros(tokens.shape[0], self.vocab)
+            logits[:, 3] = 1.0
+            return logits if all_logits else logits[-1]
+
+    class Verify:
+        def __call__(self, tokens, position):
+            return Model().step(torch.tensor(tokens), None, all_logits=True)
+
+    speculator = Speculator(Model(), Model(), tuner, verifier=Verify())
+    speculator.begin([1, 2], chunk=4)
+    out = []
+    for token in speculator.tokens(3, 2, [1, 2, 3], Request(), None, lambda t, p: Model().step(t.reshape(1), None),
+                                   100, budget=12):
+        out.append(token)
+        time_module.sleep(0.02)
+        if len(out) == 12:
+            break
+    assert out == [3] * 12
+    assert tuner.t_plain >= 0.02 and tuner.t_after >= 0.02 * 2  # a probe's round yields its 3 tokens
 
 
 def test_expected_tokens_per_round():

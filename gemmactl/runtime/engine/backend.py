@@ -160,7 +160,8 @@ class EngineBackend(HfTokenizerText):
                     if self.speculator is not None:
                         if drafted is None:
                             drafted = self.speculator.tokens(value, position, list(prompt.tokens) + [value], request,
-                                                             generator, self.decoder, self.context_size)
+                                                             generator, self.decoder, self.context_size,
+                                                             budget=request.max_tokens - decoded)
                         value = next(drafted)
                         position += 1
                         continue

@@ -42,6 +42,7 @@ def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str])
     from transformers import AutoTokenizer
 
     from gemmactl.runtime.engine.graph import DecodeStep, VerifyStep, rows_alone_wanted
+    from gemmactl.runtime.engine.graph_host import HostPiecesDecode
     from gemmactl.runtime.engine.model import GemmaModel
     from gemmactl.runtime.engine.speculative import Speculator, Tuner
     from gemmactl.runtime.int4_backend import open_runnable_artifact
@@ -84,7 +85,8 @@ def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str])
         with torch.inference_mode():
             verifier = VerifyStep(backend.model, draft.k_max + 1, step=backend.decoder.compiled_step(),
                                   captured=isinstance(backend.decoder.graph, torch.cuda.CUDAGraph),
-                                  forward=backend.decoder.fused_forward(), rows_alone=alone)
+                                  forward=backend.decoder.fused_forward(), rows_alone=alone,
+                                  pieces=isinstance(backend.decoder.graph, HostPiecesDecode))
     except RuntimeError as exc:  # e.g. out of device memory for the verify step's graph
         notices.append(f"the verify step for the draft {draft.path} could not be captured ({_first_line(exc)}); "
                        "verifying eagerly")

@@ -170,15 +170,18 @@ class DecodeStep:
 
 
 def capture(model, step, tokens: torch.Tensor, positions: torch.Tensor, all_logits: bool = False, forward=None,
-            rows_alone: bool = False):
+            rows_alone: bool = False, rows_as_decode: bool = False):
     """(graph, logits, x, per_layer): model's step over the static tokens and positions captured in a
     CUDA graph, its logits a static output buffer. Where the embedding tables are in host memory the
     host's row gather stays outside: the graph starts from the gathered rows (x, per_layer, static
     buffers the caller fills before each replay; forward, fused or not, runs from them: model.forward
     by default); else x and per_layer are None. rows_alone: each row runs alone through the device's
-    layers and the head (GemmaModel.forward), as a one-token step does."""
+    layers and the head (GemmaModel.forward), as a one-token step does; rows_as_decode: each row
+    attends as a one-token step does (GemmaModel._attention)."""
     x = per_layer = None
     alone = {"rows_alone": True} if rows_alone else {}
+    if rows_as_decode:
+        alone["rows_as_decode"] = True
     if model.placement.tables_on_host:
         with torch.inference_mode():
             x, per_layer = model.embed_tokens(tokens, rows_alone)
@@ -214,21 +217,27 @@ class VerifyStep:
     there is no graph, and for a round whose padded tokens would run past the context.
 
     Greedy speculation must give plain decoding's tokens, so each row must get the logits a
-    one-token step gives it, bit for bit. On the CPU a batch does (the rows attend as one-token
-    steps do: rows_as_decode). On a GPU a row in a batch is rounded otherwise (other kernels, other
-    reduction splits; benchmarks/batch_invariance.py measures it), so the rows run alone through
-    each layer on the GPU (rows_alone) where the decode step is captured unfused, as a model with
-    streamed or host layers has it; the host's layers run the rows together, on the host, as the
-    decode step runs them; a streamed layer still crosses the link once a round. Where the decode
-    step is fused by torch.compile (every layer resident), the fused kernels of one row differ
-    from those of several, and the rows run batched: not exact there (docs/speculation.md)."""
+    one-token step gives it, bit for bit. The rows attend as one-token steps do (rows_as_decode),
+    and the matrix kernels give a row in a batch its one-token result: torch's CPU int4 and int8
+    kernels, tinygemm and the int8 GEMV run once per token (int8_gemv.py), measured on an H100
+    with benchmarks/batch_invariance.py. Where the decode step is captured unfused, as a model
+    with streamed or host layers has it, the rows also run alone through each GPU layer
+    (rows_alone), measured exact on an H100; the host's layers run the rows together, on the host,
+    as the decode step runs them; a streamed layer still crosses the link once a round. Where the
+    decode step is fused by torch.compile (every layer resident) the rows run together through the
+    fused step, whose norms and element-wise kernels are compiled for several rows
+    (docs/speculation.md says what was measured there).
+    Beside a decode step cut around host layers (graph_host.py) the verify step is cut the same
+    way: graphs for its GPU stretches, the host's layers eager between them."""
 
     def __init__(self, model, width: int, step=None, captured: bool | None = None, pad: bool = False,
-                 forward=None, rows_alone: bool = False):
-        """pad: run the padded rounds eagerly where nothing is captured (the CPU tests check the
-        padding's rollback this way, with the arithmetic the graph replays). rows_alone: the rows
-        alone through the device's layers, reading every slot as a captured decode step does
-        (rows_alone_wanted says where)."""
+                 forward=None, rows_alone: bool = False, pieces: bool | None = None):
+        """captured: one graph for the whole step (None: where the decode step would be one).
+        pieces: graphs between the host's layers (graph_host.py; None: where captured is None and
+        the decode step would be cut so). pad: run the padded rounds eagerly where nothing is
+        captured (the CPU tests check the padding's rollback this way, with the arithmetic the
+        graph replays). rows_alone: the rows alone through the device's layers, reading every slot
+        as a captured decode step does (rows_alone_wanted says where)."""
         self.model, self.width, self.pad = model, width, pad
         self.rows_alone = rows_alone
         device = model.device
@@ -241,14 +250,20 @@ class VerifyStep:
         if captured if captured is not None else wanted(GRAPH_ENV, model):
             self.graph, self.logits, self.x, self.per_layer = capture(model, step or model.step, self.tokens,
                                                                        self.positions, all_logits=True,
-                                                                       forward=forward, rows_alone=rows_alone)
+                                                                       forward=forward, rows_alone=rows_alone,
+                                                                       rows_as_decode=True)
+        elif pieces if pieces is not None else captured is None and host_pieces_wanted(model):
+            from gemmactl.runtime.engine.graph_host import HostPiecesDecode
+
+            # graphs between the host's layers, as the decode step beside it has them
+            self.graph = HostPiecesDecode(model, width=width, rows_alone=rows_alone)
         self.setup_s = time.perf_counter() - start
 
     def __call__(self, tokens: list[int], position: int) -> torch.Tensor:
         """Logits [len(tokens), V] of tokens at position, position + 1, ..."""
         model, n = self.model, len(tokens)
         device = model.device
-        as_decode = device.type == "cpu"  # the CPU's kernels are row-independent: exact (model._attention)
+        as_decode = True  # each row attends as its one-token step does (model._attention)
         # Alone, the rows read the caches as the captured decode step does: every slot (end None).
         exact = {"rows_alone": True} if self.rows_alone else {}
         if (self.graph is None and not self.pad) or n > self.width or position + self.width > model.context:
@@ -263,6 +278,8 @@ class VerifyStep:
         if self.graph is None:
             with torch.inference_mode():
                 return model.step(self.tokens, self.positions, all_logits=True, rows_as_decode=as_decode, **exact)[:n]
+        if not isinstance(self.graph, torch.cuda.CUDAGraph):
+            return self.graph(self.tokens, position)[:n]  # in pieces around the host's layers
         if model.placement.tables_on_host:
             fill_rows(model, self.tokens, self.x, self.per_layer, self.rows_alone)
         self.graph.replay()

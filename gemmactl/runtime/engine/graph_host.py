@@ -21,6 +21,11 @@ replay. The per-layer inputs (Gemma 4) cross to the host once a step.
 
 On a CPU "device" nothing is captured: the pieces run as the same functions, eagerly, which is how
 the tests check that the cut step decodes what the whole step does.
+
+Speculation's verify step is cut the same way (width: the k_max + 1 rows it runs, each row's
+logits returned): eager, a verify step whose rows run alone through the GPU's layers launches each
+row's kernels one by one, about as many launches as k_max + 1 decode steps; in pieces it replays
+them. The host's layers run the rows together (rows_as_decode), as GemmaModel.forward runs them.
 """
 
 from __future__ import annotations
@@ -65,17 +70,22 @@ def cut_around_host(model) -> bool:
 
 
 class HostPiecesDecode:
-    """One token's step: graphs between the host's layers (or, off CUDA, the same pieces eagerly)."""
+    """One token's step (or width tokens', a verify step's): graphs between the host's layers (or,
+    off CUDA, the same pieces eagerly)."""
 
-    def __init__(self, model, capture: bool | None = None):
+    def __init__(self, model, capture: bool | None = None, width: int = 1, rows_alone: bool = False):
+        """width > 1: the step of width consecutive tokens, every row's logits [width, V];
+        rows_alone: each row alone through the GPU's layers and the head (GemmaModel.forward)."""
         self.model = model
         device = model.device
         self.cuda = device.type == "cuda"
         self.captured = self.cuda if capture is None else capture
-        self.token = torch.zeros(1, dtype=torch.long, device=device)  # [1]
-        self.position = torch.zeros(1, dtype=torch.long, device=device)  # [1]
+        self.width, self.rows_alone = width, rows_alone and width > 1
+        self.token = torch.zeros(width, dtype=torch.long, device=device)  # [W]
+        self.offsets = torch.arange(width, device=device)
+        self.position = self.offsets.clone()  # [W]: the rows' positions
         with torch.inference_mode():
-            self.x, self.per_layer = model.embed_tokens(self.token)  # the first piece's static inputs
+            self.x, self.per_layer = model.embed_tokens(self.token, self.rows_alone)  # the first piece's static inputs
         self.pieces = pieces_of(model.placement.layers)
         pin = self.cuda
         self.host_x = torch.empty(self.x.shape, dtype=self.x.dtype, pin_memory=pin)  # activations in
@@ -96,11 +106,13 @@ class HostPiecesDecode:
         end: the written positions' end where the host knows it (eager), None in a graph."""
         model = self.model
 
+        many = self.width > 1
+
         def body(x: torch.Tensor, end: int | None = None) -> torch.Tensor:
             at, rope, inputs = model.inputs_on(model.device, self.position, self.per_layer)
             for index in piece.layers:
-                x = model.layer_forward(self._layer(index), x, at, rope, inputs, end)
-            return model.logits_of(x) if last else x
+                x = model.layer_rows(self._layer(index), x, at, rope, inputs, end, many, self.rows_alone)
+            return model.logits_of(x, many, self.rows_alone) if last else x
 
         return body
 
@@ -114,7 +126,9 @@ class HostPiecesDecode:
         model = self.model
         if self.captured and self.cuda:
             # Warm up (cuBLAS handles, kernels, the allocator), eagerly: the whole step as forward runs it.
-            warm_up(lambda: model.forward(self.x, self.per_layer, self.position, end=1), 2)
+            many = self.width > 1
+            warm_up(lambda: model.forward(self.x, self.per_layer, self.position, end=self.width, all_logits=many,
+                                          rows_as_decode=many, rows_alone=self.rows_alone), 2)
             self.pool = torch.cuda.graph_pool_handle()
         x = self.x
         with torch.inference_mode():
@@ -130,8 +144,8 @@ class HostPiecesDecode:
                 else:
                     self.bodies.append(body)
             if self.captured:
-                self.logits = x  # the last graph's output: [V]
-        model.reset()  # the warm-up and capture wrote position 0 of the caches
+                self.logits = x  # the last graph's output: [V] ([W, V] for width W)
+        model.reset()  # the warm-up and capture wrote the first positions of the caches
 
     def _capture(self, body, x: torch.Tensor) -> torch.Tensor:
         """body over x captured in a CUDA graph (kept in bodies); returns its static output. The
@@ -146,12 +160,13 @@ class HostPiecesDecode:
     # -- a step ----------------------------------------------------------------------------------
 
     def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
-        """Logits [V] after token (a 0-dim or [1] tensor on the device) at position."""
+        """Logits [V] after token (a 0-dim or [1] tensor on the device) at position; for width W,
+        logits [W, V] after W tokens at position, position + 1, ..."""
         model = self.model
-        self.token.copy_(token.reshape(1))
-        self.position.fill_(position)
+        self.token.copy_(token.reshape(self.width))
+        torch.add(self.offsets, position, out=self.position)
         with torch.inference_mode():
-            fill_rows(model, self.token, self.x, self.per_layer)
+            fill_rows(model, self.token, self.x, self.per_layer, self.rows_alone)
             if self.host_per_layer is not None:  # queued now, waited for with the first crossing
                 self.host_per_layer.copy_(self.per_layer, non_blocking=self.cuda)
             streamer = model.streamer
@@ -171,7 +186,7 @@ class HostPiecesDecode:
                 if self.captured:
                     self.bodies[number].replay()
                 else:
-                    x = self.bodies[number](x, position + 1)
+                    x = self.bodies[number](x, None if self.rows_alone else position + self.width)
                 if piece.streamed is not None:
                     streamer.release(piece.streamed)
         return self.logits if self.captured else x
@@ -184,9 +199,11 @@ class HostPiecesDecode:
         if self.cuda:
             self.crossed.record()
             self.crossed.synchronize()  # the activations (and the per-layer inputs) are on the host
-        at, rope, _ = model.inputs_on(model.host, torch.tensor([position], dtype=torch.long), None)
+        width = self.width
+        at, rope, _ = model.inputs_on(model.host, torch.arange(position, position + width), None)
         x = self.host_x
         for index in piece.layers:
-            x = model.layer_forward(model.layers[index], x, at, rope, self.host_per_layer, end=position + 1)
+            x = model.layer_forward(model.layers[index], x, at, rope, self.host_per_layer, end=position + width,
+                                    rows_as_decode=width > 1)
         self.host_y.copy_(x)
         return self.host_y

@@ -59,24 +59,26 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def int8_rows_gemv(x_ptr, q_ptr, s_ptr, y_ptr, N, K, stride_q, K_PER,
+    def int8_rows_gemv(x_ptr, q_ptr, s_ptr, y_ptr, N, K, stride_x, stride_q, K_PER,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        token = tl.program_id(0)  # one token a program: a row's arithmetic never depends on the others
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         row_ok = rows < N
-        first = tl.program_id(1) * K_PER  # this program's share of K (split-K for short matrices)
+        first = tl.program_id(2) * K_PER  # this program's share of K (split-K for short matrices)
         # Products accumulate element-wise and are summed across the tile once, at the end: a
         # reduction per iteration would put a cross-thread sum between every two loads.
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for offset in range(0, K_PER, BLOCK_K):
             cols = first + offset + tl.arange(0, BLOCK_K)  # [BK]
             col_ok = cols < K  # K_PER is a whole number of tiles
-            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BK]
+            x = tl.load(x_ptr + token * stride_x + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BK]
             q = tl.load(q_ptr + rows[:, None] * stride_q + cols[None, :],
                         mask=row_ok[:, None] & col_ok[None, :], other=0).to(tl.float32)  # [BN, BK]
             acc += q * x[None, :]
         scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         total = tl.sum(acc, axis=1)
-        tl.store(y_ptr + tl.program_id(1) * N + rows, (total * scale).to(y_ptr.dtype.element_ty), mask=row_ok)
+        out = y_ptr + (tl.program_id(2) * tl.num_programs(0) + token) * N + rows
+        tl.store(out, (total * scale).to(y_ptr.dtype.element_ty), mask=row_ok)
 
     return triton, int8_rows_gemv
 
@@ -91,82 +93,40 @@ def split(out_features: int, in_features: int, sms: int, tile: Tile | None = Non
 
 @torch.library.custom_op("gemmactl::int8_rows_gemv", mutates_args=())
 def int8_rows_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [in] (one token) · (qweight [out, in] int8 × scales [out]) → [out] in x's dtype."""
+    """x [in] (one token) or [T, in] (T ≤ FEW_TOKENS_MAX) · (qweight [out, in] int8 × scales [out])
+    → [out] or [T, out] in x's dtype.
+
+    Several tokens are the GEMV once per token, side by side in one launch (the token is the
+    grid's fastest axis, so the programs that read a tile of the matrix run together and its
+    second reads come from L2): each token's products and sums are the one-token kernel's, in the
+    same order, so a verify step's row equals the decode step's bit for bit. A tl.dot kernel over
+    the tokens together (as this module had) rounds a row otherwise than the GEMV does: on an
+    H100, an E4B shape's down_proj and head moved by up to 0.2% of a row's largest value, and
+    greedy speculation parted from plain decoding (benchmarks/batch_invariance.py)."""
     triton, kernel = _kernel()
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    tokens = flat.shape[0]
     out_features, in_features = qweight.shape
     tile = tile_for(out_features, in_features)
     splits, per = split(out_features, in_features, _sms(x.device), tile)
-    if splits == 1:
-        y = torch.empty(out_features, dtype=x.dtype, device=x.device)
-    else:
-        y = torch.empty((splits, out_features), dtype=torch.float32, device=x.device)
-    kernel[(triton.cdiv(out_features, tile.rows), splits)](x.contiguous(), qweight, scales, y, out_features,
-                                                           in_features, qweight.stride(0), per, BLOCK_N=tile.rows,
-                                                           BLOCK_K=tile.cols, num_warps=tile.warps)
-    return y if splits == 1 else y.sum(0).to(x.dtype)
+    dtype = x.dtype if splits == 1 else torch.float32
+    y = torch.empty((splits, tokens, out_features), dtype=dtype, device=x.device)
+    kernel[(tokens, triton.cdiv(out_features, tile.rows), splits)](flat, qweight, scales, y, out_features, in_features,
+                                                                   flat.stride(0), qweight.stride(0), per,
+                                                                   BLOCK_N=tile.rows, BLOCK_K=tile.cols,
+                                                                   num_warps=tile.warps)
+    total = y[0]
+    for part in y[1:]:  # the partial sums in split order, whatever the tokens
+        total = total + part
+    total = total.to(x.dtype)
+    return total.reshape(*x.shape[:-1], out_features)
 
 
 @int8_rows_gemv.register_fake
 def _(x, qweight, scales):
-    return x.new_empty(qweight.shape[0])
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
-# A few tokens at once (speculation's verify step: the pending token and k drafts). The block path
-# decodes every row to bfloat16 and hands cuBLAS the copy, reading the matrix three times over;
-# this kernel reads each code once for all the tokens, with Triton's tl.dot on tiles of at least
-# 16 (the tokens are padded to 16 inside the kernel, never in memory). Not tuned shape by shape as
-# the one-token tiles were: one tile, K split for matrices with few row blocks.
+# A verify step's few tokens (the pending token and k drafts) take the GEMV per token in one launch;
+# more (a prefill chunk) decode a block of rows at a time into cuBLAS.
 FEW_TOKENS_MAX = 16
-FEW_TILE = Tile(32, 128, 4)
-
-
-@functools.cache
-def _few_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def int8_rows_few(x_ptr, q_ptr, s_ptr, y_ptr, T, N, K, stride_x, stride_q, K_PER,
-                      BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-        toks = tl.arange(0, BLOCK_T)  # [BT]
-        row_ok, tok_ok = rows < N, toks < T
-        first = tl.program_id(1) * K_PER
-        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for offset in range(0, K_PER, BLOCK_K):
-            cols = first + offset + tl.arange(0, BLOCK_K)  # [BK]
-            col_ok = cols < K
-            x = tl.load(x_ptr + toks[:, None] * stride_x + cols[None, :],
-                        mask=tok_ok[:, None] & col_ok[None, :], other=0.0).to(DOT)  # [BT, BK]
-            q = tl.load(q_ptr + rows[:, None] * stride_q + cols[None, :],
-                        mask=row_ok[:, None] & col_ok[None, :], other=0).to(DOT)  # [BN, BK], exact
-            acc += tl.dot(x, tl.trans(q))  # [BT, BN], float32
-        scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        out = y_ptr + tl.program_id(1) * T * N + toks[:, None] * N + rows[None, :]
-        tl.store(out, (acc * scale[None, :]).to(y_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
-
-    return triton, int8_rows_few
-
-
-@torch.library.custom_op("gemmactl::int8_rows_few", mutates_args=())
-def int8_rows_few(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [T, in] (2 ≤ T ≤ FEW_TOKENS_MAX tokens) · (qweight [out, in] int8 × scales [out]) → [T, out]
-    in x's dtype. The tokens enter tl.dot in bfloat16 (as the compute dtype holds them)."""
-    triton, kernel = _few_kernel()
-    tokens = x.shape[0]
-    out_features, in_features = qweight.shape
-    tile = FEW_TILE
-    splits, per = split(out_features, in_features, _sms(x.device), tile)
-    x = x.contiguous()
-    dtype = x.dtype if splits == 1 else torch.float32
-    y = torch.empty((splits, tokens, out_features), dtype=dtype, device=x.device)
-    kernel[(triton.cdiv(out_features, tile.rows), splits)](x, qweight, scales, y, tokens, out_features, in_features,
-                                                           x.stride(0), qweight.stride(0), per, BLOCK_T=16,
-                                                           BLOCK_N=tile.rows, BLOCK_K=tile.cols, DOT=dot_dtype(),
-                                                           num_warps=tile.warps)
-    return y[0] if splits == 1 else y.sum(0).to(x.dtype)
-
-
-@int8_rows_few.register_fake
-def _(x, qweight, scales):
-    return x.new_empty((x.shape[0], qweight.shape[0]))

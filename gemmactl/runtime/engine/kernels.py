@@ -14,9 +14,9 @@ grouped kernel faster for a layer's 8 experts (87 µs against 117 for tinygemm o
 `GEMMACTL_ENGINE_INT4=tinygemm` or `groups` puts every int4 matrix in one kernel (measurements).
 Several tokens (a prefill chunk, a verify step) decode an `Int4GroupsLinear` a block of rows at a
 time into cuBLAS. int8 rows (the head, and v_proj and down_proj under `--sensitive int8`) stay
-int8 on the device (`Int8Linear`): one token runs the Triton GEMV of
-runtime/engine/int8_gemv.py (why not torch's own int8 kernels is said there); several tokens
-dequantize a block of rows at a time into cuBLAS. `GEMMACTL_ENGINE_INT8=dense` keeps bfloat16
+int8 on the device (`Int8Linear`): one token, or a verify step's few, runs the Triton GEMV of
+runtime/engine/int8_gemv.py once per token (why not torch's own int8 kernels is said there); more
+tokens dequantize a block of rows at a time into cuBLAS. `GEMMACTL_ENGINE_INT8=dense` keeps bfloat16
 copies in cuBLAS instead (twice the bytes; for measurements and machines without Triton). On an
 x86 CPU in bfloat16, int4 and int8 weights run in torch's CPU kernels as stored
 (runtime/engine/cpu_kernels.py says why and what they cost); in float32 (the fidelity tests), on
@@ -149,14 +149,13 @@ class Int8Linear(Linear):
         self.out_features, self.in_features = qweight.shape
 
     def __call__(self, x):
-        from gemmactl.runtime.engine.int8_gemv import FEW_TOKENS_MAX, int8_rows_few, int8_rows_gemv
+        from gemmactl.runtime.engine.int8_gemv import FEW_TOKENS_MAX, int8_rows_gemv
 
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, in]
-        if flat.shape[0] == 1 and flat.is_cuda:
-            y = int8_rows_gemv(flat.reshape(-1), self.qweight, self.scales)  # [out]
-        elif flat.shape[0] <= FEW_TOKENS_MAX and flat.is_cuda:
-            y = int8_rows_few(flat, self.qweight, self.scales)  # [T, out]: speculation's verify step
+        if flat.shape[0] <= FEW_TOKENS_MAX and flat.is_cuda:
+            # one token, or a verify step's few: the GEMV per token, each row as it would be alone
+            y = int8_rows_gemv(flat, self.qweight, self.scales)  # [T, out]
         else:
             y = self._blocks(flat)
         return y.reshape(*shape[:-1], self.out_features)

@@ -386,20 +386,23 @@ class GemmaModel:
                 layer = self.staged_layers[s.index][streamer.fetch(s.index)]
             on_host = self.where[s.index] == HOST and not staged
             dev = self.host if on_host else self.device
-            if rows_alone and not on_host and x.shape[0] > 1:
-                at, rope, inputs = here[dev]
-                x = x.to(dev)
-                x = torch.cat([self.layer_forward(layer, x[i:i + 1], at[i:i + 1],
-                                                  {kind: (cos[i:i + 1], sin[i:i + 1]) for kind, (cos, sin) in rope.items()},
-                                                  inputs[i:i + 1] if inputs is not None else None, None, False, experts_of)
-                               for i in range(x.shape[0])])
-            else:
-                x = self.layer_forward(layer, x.to(dev), *here[dev], end, rows_as_decode or rows_alone, experts_of)
+            x = self.layer_rows(layer, x.to(dev), *here[dev], end, rows_as_decode or rows_alone,
+                                rows_alone and not on_host, experts_of)
             if staged:
                 streamer.release(s.index)
-        if rows_alone and all_logits and x.shape[0] > 1:
-            return torch.stack([self.logits_of(x[i:i + 1]) for i in range(x.shape[0])])
-        return self.logits_of(x, all_logits)
+        return self.logits_of(x, all_logits, rows_alone)
+
+    def layer_rows(self, layer: Layer, x: torch.Tensor, at: torch.Tensor, rope: dict, inputs, end: int | None = None,
+                   rows_as_decode: bool = False, rows_alone: bool = False, experts_of=None) -> torch.Tensor:
+        """layer_forward over x [T, H]; rows_alone (T > 1): each row alone, with end None (every slot
+        read, as a captured one-token step reads them; forward says why). Either way each row
+        attends as a one-token step at its position (rows_as_decode) when asked or alone."""
+        if rows_alone and x.shape[0] > 1:
+            return torch.cat([self.layer_forward(layer, x[i:i + 1], at[i:i + 1],
+                                                 {kind: (cos[i:i + 1], sin[i:i + 1]) for kind, (cos, sin) in rope.items()},
+                                                 inputs[i:i + 1] if inputs is not None else None, None, False, experts_of)
+                              for i in range(x.shape[0])])
+        return self.layer_forward(layer, x, at, rope, inputs, end, rows_as_decode or rows_alone, experts_of)
 
     def inputs_on(self, dev, positions: torch.Tensor, per_layer_inputs: torch.Tensor | None) -> tuple:
         """(positions, rope rows by layer kind, per-layer inputs) on dev, as layer_forward takes them."""
@@ -407,8 +410,11 @@ class GemmaModel:
         rope = {kind: rope_rows(at, inv_freq, scaling, self.dtype) for kind, (inv_freq, scaling) in self.rope[dev].items()}
         return at, rope, per_layer_inputs.to(dev) if per_layer_inputs is not None else None
 
-    def logits_of(self, x: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """The head over the last row of x (every row with all_logits), soft-capped, in float32."""
+    def logits_of(self, x: torch.Tensor, all_logits: bool = False, rows_alone: bool = False) -> torch.Tensor:
+        """The head over the last row of x (every row with all_logits: each alone with rows_alone, as
+        a one-token step takes it), soft-capped, in float32."""
+        if rows_alone and all_logits and x.shape[0] > 1:
+            return torch.stack([self.logits_of(x[i:i + 1]) for i in range(x.shape[0])])
         spec = self.spec
         x = rms_norm((x if all_logits else x[-1:]).to(self.device), self.final_norm, spec.eps)  # [1, H]: the last token's
         logits = self.head(x)  # [1 or T, V]
@@ -491,7 +497,9 @@ class GemmaModel:
                                     offset.to(here) if offset is not None else None)
             cache.write(k.to(home), v.to(home), positions.to(home))
         if rows_as_decode and t > 1:
-            ends = [int(p) + 1 for p in positions.tolist()]
+            # Each row reads what its one-token step would: the slots written so far where the
+            # host knows them (end given), else every slot, the unwritten masked (a captured step).
+            ends = [int(p) + 1 for p in positions.tolist()] if end is not None else [cache.slots] * t
             return torch.cat([self._read_and_attend(layer, q[i:i + 1], cache, min(cache.slots, ends[i]),
                                                     positions[i:i + 1]) for i in range(t)])
         held = cache.slots if end is None else min(cache.slots, end)  # a ring fills slots 0.. first

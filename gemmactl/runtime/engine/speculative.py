@@ -20,11 +20,14 @@ past the query, and the next round's writes replace the rejected ones. A sliding
 gets `k_max` spare slots so the rejected keys never overwrite ones its window still needs.
 
 `Tuner` picks k each round from measurements: the acceptance rate (decayed counts), the time of a
-round (its drafts and its verify step) as a line in k fitted to the rounds it made, and the time
-of a plain target step; speculation turns itself off when its predicted rate is below plain
-decoding's and probes again after PROBE_EVERY tokens, twice as many after each probe that did not
-pay, and never so often that probes (the draft first reads what was decoded without it) cost more
-than PROBE_SHARE of the time.
+round (its drafts, its verify step and the caller's handling of its tokens) as a line in k fitted
+to the rounds it made, and the time of a plain target step (with the caller's handling of its
+token: what a caller waits for, both ways); speculation turns itself off when its predicted rate is
+below plain decoding's and probes again after PROBE_EVERY tokens, twice as many after each probe
+that did not pay, and never so often that probes (the draft first reads what was decoded without
+it) cost more than PROBE_SHARE of the time. Where the draft must first read tokens it has not seen
+(a new prompt, tokens decoded plainly) and the caller says how many tokens it still wants, a round
+is made only if what speculation is predicted to save over them pays for that reading.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class Tuner:
     t_plain: float | None = None  # s per plain target step
     t_draft: float | None = None  # s per draft step
     t_verify: float | None = None  # s per verify step
+    t_after: float | None = None  # s per round the caller takes with its tokens before asking for more
     # Decayed sums over rounds of (k, seconds of the round's drafts and verify step): the line
     # seconds = a + b·k through them (round_line).
     sums: list = field(default_factory=lambda: [0.0] * 5)  # Σw, Σw·k, Σw·k², Σw·t, Σw·k·t
@@ -80,15 +84,18 @@ class Tuner:
     probe_every: int = PROBE_EVERY  # plain tokens between probes now (doubles after each failed one)
     probed: bool = False  # the last round was a probe whose verdict is still to be drawn
     t_probe: float = 0.0  # s the last round took, the draft's catching up included (what a probe costs)
-    decisions: dict = field(default_factory=lambda: {"on": 0, "off": 0})
+    t_catch_up: float | None = None  # s per token the draft reads before it drafts (a prompt, plain tokens)
+    decisions: dict = field(default_factory=lambda: {"on": 0, "off": 0, "not_worth_catching_up": 0})
 
     @property
     def alpha(self) -> float | None:
         seen = self.accepted + self.rejected
         return self.accepted / seen if seen else None
 
-    def next_k(self, room: int) -> int:
-        """Drafts for the next round (0: a plain step). room: positions left in the context."""
+    def next_k(self, room: int, left: int | None = None, behind: int = 0) -> int:
+        """Drafts for the next round (0: a plain step). room: positions left in the context. left:
+        tokens the caller still wants (None: not known); behind: tokens the draft must read before
+        it drafts."""
         cap = min(self.k_max, room)
         if cap <= 0:
             return 0
@@ -99,6 +106,11 @@ class Tuner:
         if self.t_draft is None or self.alpha is None:
             return self._probe(cap)  # the first round: measures the draft, the verify step and acceptance
         k, rate = self.best(cap)
+        if rate > 1.0 / self.t_plain and not self.worth_catching_up(rate, left, behind):
+            # Speculation would pay per token, but not over the tokens still wanted once the draft
+            # has read what it has not seen: a short answer after a long prompt, an answer's tail.
+            self.decisions["not_worth_catching_up"] += 1
+            return 0
         if rate > 1.0 / self.t_plain:
             self.decisions["on"] += 1
             self.probed, self.probe_every = False, PROBE_EVERY
@@ -116,6 +128,15 @@ class Tuner:
             return self._probe(cap)  # try again: the text may have become easier to draft
         return 0
 
+    def worth_catching_up(self, rate: float, left: int | None, behind: int) -> bool:
+        """Whether speculating at `rate` tokens a second over `left` more tokens saves more than
+        the draft's reading of `behind` tokens first costs (measured per token; unknown, or
+        nothing to read, or `left` unknown: it is)."""
+        if left is None or behind <= 0 or self.t_catch_up is None or self.t_plain is None:
+            return True
+        saved = left * (self.t_plain - 1.0 / rate)
+        return saved > behind * self.t_catch_up
+
     def _probe(self, cap: int) -> int:
         self.probed = True
         return min(PROBE_K, cap)
@@ -123,7 +144,8 @@ class Tuner:
     def round_line(self) -> tuple[float, float]:
         """(a, b): a round of k drafts takes a + b·k seconds. The least-squares line through the
         rounds measured (decayed) once they span two draft lengths; before that (or where the fit
-        is not a cost, b ≤ 0 or a ≤ 0) the drafts scale with k and the verify step does not.
+        is not a cost, b ≤ 0 or a ≤ 0) the drafts scale with k and the verify step (with the
+        caller's handling of the round's tokens) does not.
 
         A verify step's cost is rarely proportional to its drafts: bound by the bytes it reads
         (streamed layers, a GPU's GEMVs) it costs about one plain step whatever k, and run
@@ -139,7 +161,7 @@ class Tuner:
             a = (wt - b * wk) / w
             if a > 0 and b > 0:
                 return a, b
-        return self.t_verify or 0.0, self.t_draft or 0.0
+        return (self.t_verify or 0.0) + (self.t_after or 0.0), self.t_draft or 0.0
 
     def best(self, cap: int) -> tuple[int, float]:
         """(k, predicted tokens per second) of the best draft length up to cap."""
@@ -154,13 +176,20 @@ class Tuner:
         self.plain_since += 1
         self.rounds_since_plain = 0
 
-    def record_round(self, k: int, kept: int, draft_s: float, verify_s: float, catch_up_s: float = 0.0) -> None:
+    def record_round(self, k: int, kept: int, draft_s: float, verify_s: float, catch_up_s: float = 0.0,
+                     caught_up: int = 0, after_s: float = 0.0) -> None:
+        """A round of k drafts, kept of them kept: its drafts' and verify step's seconds, the
+        draft's reading of caught_up tokens first (catch_up_s), and the caller's handling of the
+        round's tokens before it asked for more (after_s: part of what a round costs it)."""
         self.t_probe = catch_up_s + draft_s + verify_s
         self.accepted = DECAY * self.accepted + kept
         self.rejected = DECAY * self.rejected + (1 if kept < k else 0)
         self.t_draft = _decayed(self.t_draft, draft_s / k)
         self.t_verify = _decayed(self.t_verify, verify_s)
-        seconds = draft_s + verify_s
+        self.t_after = _decayed(self.t_after, after_s)
+        if caught_up:
+            self.t_catch_up = _decayed(self.t_catch_up, catch_up_s / caught_up)
+        seconds = draft_s + verify_s + after_s
         self.sums = [DECAY * total + value for total, value in zip(self.sums, (1.0, k, k * k, seconds, k * seconds))]
         self.plain_since = 0
         self.rounds_since_plain += 1
@@ -178,9 +207,9 @@ class Tuner:
                 "acceptance_estimate": None if self.alpha is None else round(self.alpha, 3),
                 "plain_step_ms": ms(self.t_plain), "draft_step_ms": ms(self.t_draft),
                 "verify_step_ms": ms(self.t_verify), "round_fixed_ms": ms(a), "round_ms_per_draft": ms(b),
-                "predicted_speedup": predicted,
+                "catch_up_ms_per_token": ms(self.t_catch_up), "predicted_speedup": predicted,
                 "rounds_on": self.decisions["on"], "rounds_off": self.decisions["off"],
-                "probe_every": self.probe_every}
+                "not_worth_catching_up": self.decisions["not_worth_catching_up"], "probe_every": self.probe_every}
 
 
 def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafted: list[int], generator) -> tuple[int, int]:
@@ -237,21 +266,34 @@ class Speculator:
         self._chunk = chunk
         self.stats = RoundStats()  # a generation that ends on its first token made no rounds
 
-    def tokens(self, token: int, position: int, history: list[int], request, generator, plain_step, context: int):
+    def tokens(self, token: int, position: int, history: list[int], request, generator, plain_step, context: int,
+               budget: int | None = None):
         """Token ids after `token` (the first generated, at `position`), without end.
 
         history: the prompt's and generated tokens so far (for the repeat penalty; extended here).
         plain_step(token, position) → logits [V]: the target's own decode step.
+        budget: how many tokens the caller will take at most (None: not known).
+
+        A step's or round's time, as the tuner gets it, runs until the caller asks for the next
+        token: what the caller does with the tokens is part of what it waits for either way.
         """
         self.stats = RoundStats()
         self._pending.append(token)
         device = self.target.device
         plain_greedy = request.temperature == 0 and request.repeat_penalty == 1.0
         on_device = None  # the last token as a device tensor, where a plain step made it
+        measured = None  # the last step's or round's record, made when the caller comes back
+        taken = 0
         while True:
-            k = self.tuner.next_k(context - position - 1)
+            now = time.perf_counter()
+            if measured is not None:
+                measured(now)
+                measured = None
+            behind = len(self._pending) - 1 if len(self._pending) > 2 else 0  # what _draft reads first
+            left = None if budget is None else budget - taken
+            k = self.tuner.next_k(context - position - 1, left, behind)
             if k == 0:
-                start = time.perf_counter()
+                start = now
                 step_input = on_device if on_device is not None else torch.tensor(token, device=device)
                 logits = plain_step(step_input, position)
                 if plain_greedy:  # no history to send: the choice stays on the device until read
@@ -260,22 +302,26 @@ class Speculator:
                 else:
                     recent = torch.tensor(history[-REPEAT_LAST_N:], dtype=torch.long, device=device)
                     token = self._choose(logits, recent, request, generator)
-                self.tuner.record_plain(time.perf_counter() - start)
+                measured = lambda end, start=start: self.tuner.record_plain(end - start)  # noqa: E731
                 self.stats.plain_steps += 1
                 self._pending.append(token)
                 position += 1
                 history.append(token)
+                taken += 1
                 yield token
                 continue
             on_device = None
-            start, caught_up = time.perf_counter(), self.stats.catch_up_s
+            start, caught_up = now, self.stats.catch_up_s
             drafted, q_rows = self._draft(k, history, request, generator)
-            draft_s = time.perf_counter() - start - (self.stats.catch_up_s - caught_up)
+            catch_up_s = self.stats.catch_up_s - caught_up
+            draft_s = time.perf_counter() - start - catch_up_s
             start = time.perf_counter()
             logits = self.verifier([token] + drafted, position)  # [k+1, V]
             kept, final = self._verify(logits, drafted, q_rows, history, request, generator)
             verify_s = time.perf_counter() - start
-            self.tuner.record_round(k, kept, draft_s, verify_s, self.stats.catch_up_s - caught_up)
+            done = time.perf_counter()
+            measured = lambda end, k=k, kept=kept, d=draft_s, v=verify_s, c=catch_up_s, n=behind, done=done: \
+                self.tuner.record_round(k, kept, d, v, c, n, end - done)  # noqa: E731
             s = self.stats
             s.rounds, s.drafted, s.kept = s.rounds + 1, s.drafted + k, s.kept + kept
             s.draft_s, s.verify_s = s.draft_s + draft_s, s.verify_s + verify_s
@@ -288,6 +334,7 @@ class Speculator:
             token = final
             for value in out:
                 history.append(value)
+                taken += 1
                 yield value
 
     def _choose(self, logits, recent, request, generator) -> int:
