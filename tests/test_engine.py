@@ -89,8 +89,10 @@ def test_a_kv_cache_lives_on_the_host_only_when_every_reader_runs_there():
 @pytest.mark.parametrize("rows, keys", [(1, 1), (1, 37), (1, 600), (5, 37), (16, 600)])
 def test_key_scores_and_weighted_values_are_the_einsums_they_replace(dtype, rows, keys):
     """The attention's q·k and its weights' product with the values, each one product per KV head
-    over the cache's own layout: the einsums' values, bit for bit for one query row (a decode
-    step) on the CPU."""
+    over the cache's own layout: the einsums' values for one query row (a decode step) on the CPU,
+    bit for bit in bfloat16; in float32 bit for bit where the CPU's BLAS takes the same path for
+    both shapes (the Intel hosts measured), else within float32 rounding (an AMD EPYC host: the
+    key scores 6e-7 of their largest value apart)."""
     from gemmactl.runtime.engine.ops import key_scores, weighted_values
 
     torch.manual_seed(0)
@@ -101,8 +103,10 @@ def test_key_scores_and_weighted_values_are_the_einsums_they_replace(dtype, rows
     assert pairs[0][0].shape == (rows, 2, 4, keys) and pairs[1][0].shape == (rows, 2, 4, 64)
     for ours, expected in pairs:
         assert ours.shape == expected.shape
-        if rows == 1:
+        if rows == 1 and dtype == torch.bfloat16:
             assert torch.equal(ours, expected)
+        elif rows == 1:
+            assert (ours - expected).abs().max() <= 1e-6 * expected.abs().max()
         else:
             tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
             assert torch.allclose(ours.float(), expected.float(), rtol=tolerance, atol=tolerance)
