@@ -239,21 +239,9 @@ def test_a_step_cut_around_the_host_layers_decodes_as_the_whole_step(artifacts, 
     assert tokens == expected
     assert torch.equal(logits, expected_logits)
 
-    class Replayed(HostPiecesDecode):
-        """The captured path's wiring with a stand-in for a CUDA graph: a replay runs the body
-        again over the static input it was captured with and writes its static output."""
+    from helpers.replayed_pieces import ReplayedPieces
 
-        def _capture(self, body, x):
-            out = body(x)
-
-            class Graph:
-                def replay(self):
-                    out.copy_(body(x))
-
-            self.bodies.append(Graph())
-            return out
-
-    step = Replayed(engine, capture=True)
+    step = ReplayedPieces(engine, capture=True)  # the captured path's wiring, a stand-in for each graph
     assert step.captured and len(step.bodies) == len(pieces)
     tokens, logits = engine_greedy(engine, PROMPT, STEPS, decoder=step)
     assert tokens == expected

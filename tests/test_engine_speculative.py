@@ -182,22 +182,11 @@ def test_a_verify_step_cut_around_the_host_layers_gives_plain_decodings_tokens(a
     together), the host's layers between them run the rows together, the last stretch gives every
     row's logits. Run eagerly with the CPU standing in for the GPU, and through the captured path's
     wiring (static buffers, a stand-in for a graph's replay): plain decoding's tokens."""
+    from helpers.replayed_pieces import ReplayedPieces
+
     from gemmactl.runtime.engine.graph import VerifyStep
     from gemmactl.runtime.engine.graph_host import HostPiecesDecode
     from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
-
-    class Replayed(HostPiecesDecode):
-        """A replay runs the body again over the static input it was captured with."""
-
-        def _capture(self, body, x):
-            out = body(x)
-
-            class Graph:
-                def replay(self):
-                    out.copy_(body(x))
-
-            self.bodies.append(Graph())
-            return out
 
     kinds = {"R": RESIDENT, "S": STREAMED, "H": HOST}
     request = Request()
@@ -209,7 +198,7 @@ def test_a_verify_step_cut_around_the_host_layers_gives_plain_decodings_tokens(a
     draft = _model(artifacts["coarse"], spare=4)
     verifier = VerifyStep(target, 5, captured=False, pieces=not replayed, rows_alone=alone)
     if replayed:
-        verifier.graph = Replayed(target, capture=True, width=5, rows_alone=alone)
+        verifier.graph = ReplayedPieces(target, capture=True, width=5, rows_alone=alone)
     assert isinstance(verifier.graph, HostPiecesDecode) and verifier.graph.width == 5
     assert verifier.graph.rows_alone == alone
     for k in (1, 4):
