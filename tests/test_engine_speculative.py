@@ -65,6 +65,18 @@ def _plain(model, request, steps=STEPS):
     return tokens
 
 
+def _placed(artifact, layout: str, **options):
+    """The model on the CPU standing in for a GPU, its layers placed by layout repeated (R resident,
+    S streamed, H on the host), its tables in host memory, with spare slots for drafts of 4."""
+    from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
+
+    kinds = {"R": RESIDENT, "S": STREAMED, "H": HOST}
+    n = _model(artifact).spec.n_layers
+    placement = EnginePlacement(tuple(kinds[layout[i % len(layout)]] for i in range(n)), tables_on_host=True)
+    return GemmaModel(artifact, device="cpu", dtype=torch.float32, context=CONTEXT, spare_slots=4,
+                      placement=placement, **options)
+
+
 def _speculative(target, draft, k, request, steps=STEPS, tune=False, verifier=None):
     target.reset()
     speculator = Speculator(target, draft, Tuner(k, fixed=None if tune else k), verifier=verifier)
@@ -132,16 +144,13 @@ def test_a_verify_step_whose_rows_run_alone_gives_plain_decodings_tokens(artifac
     plain decoding's; without host layers a row's logits are a one-token step's (every slot read)
     bit for bit (a host layer reads the written slots, as it does in the step captured around it)."""
     from gemmactl.runtime.engine.graph import VerifyStep
-    from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
+    from gemmactl.runtime.engine.placement import HOST
 
-    kinds = {"R": RESIDENT, "S": STREAMED, "H": HOST}
     request = Request()
     reference = _plain(_model(artifacts["target"]), request)
-    n = _model(artifacts["target"]).spec.n_layers
-    placement = EnginePlacement(tuple(kinds[layout[i % len(layout)]] for i in range(n)), tables_on_host=True)
     # host layers also kept for the device, as on a GPU, where a chunk of tokens computes them there
-    target = GemmaModel(artifacts["target"], device="cpu", dtype=torch.float32, context=CONTEXT, spare_slots=4,
-                        placement=placement, prefill_host_layers_on_device=True)
+    target = _placed(artifacts["target"], layout, prefill_host_layers_on_device=True)
+    placement = target.placement
     draft = _model(artifacts["coarse"], spare=4)
     verifier = VerifyStep(target, 5, captured=False, rows_alone=True)
     batched = set()  # layers that ran several rows attending as one-token steps (a verify step's, together)
@@ -186,15 +195,10 @@ def test_a_verify_step_cut_around_the_host_layers_gives_plain_decodings_tokens(a
 
     from gemmactl.runtime.engine.graph import VerifyStep
     from gemmactl.runtime.engine.graph_host import HostPiecesDecode
-    from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement
 
-    kinds = {"R": RESIDENT, "S": STREAMED, "H": HOST}
     request = Request()
     reference = _plain(_model(artifacts["target"]), request)
-    n = _model(artifacts["target"]).spec.n_layers
-    placement = EnginePlacement(tuple(kinds[layout[i % len(layout)]] for i in range(n)), tables_on_host=True)
-    target = GemmaModel(artifacts["target"], device="cpu", dtype=torch.float32, context=CONTEXT, spare_slots=4,
-                        placement=placement)
+    target = _placed(artifacts["target"], layout)
     draft = _model(artifacts["coarse"], spare=4)
     verifier = VerifyStep(target, 5, captured=False, pieces=not replayed, rows_alone=alone)
     if replayed:

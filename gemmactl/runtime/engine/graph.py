@@ -263,21 +263,21 @@ class VerifyStep:
         """Logits [len(tokens), V] of tokens at position, position + 1, ..."""
         model, n = self.model, len(tokens)
         device = model.device
-        as_decode = True  # each row attends as its one-token step does (model._attention)
-        # Alone, the rows read the caches as the captured decode step does: every slot (end None).
+        # Each row attends as its one-token step does (model._attention: rows_as_decode). Alone, the
+        # rows read the caches as the captured decode step does: every slot (end None).
         exact = {"rows_alone": True} if self.rows_alone else {}
         if (self.graph is None and not self.pad) or n > self.width or position + self.width > model.context:
             with torch.inference_mode():
                 return model.step(torch.tensor(tokens, dtype=torch.long, device=device),
                                   torch.arange(position, position + n, device=device),
                                   None if self.rows_alone else position + n, all_logits=True,
-                                  rows_as_decode=as_decode, **exact)
+                                  rows_as_decode=True, **exact)
         padded = tokens + tokens[-1:] * (self.width - n)
         self.tokens.copy_(torch.tensor(padded, dtype=torch.long))
         torch.add(self.offsets, position, out=self.positions)
         if self.graph is None:
             with torch.inference_mode():
-                return model.step(self.tokens, self.positions, all_logits=True, rows_as_decode=as_decode, **exact)[:n]
+                return model.step(self.tokens, self.positions, all_logits=True, rows_as_decode=True, **exact)[:n]
         if not isinstance(self.graph, torch.cuda.CUDAGraph):
             return self.graph(self.tokens, position)[:n]  # in pieces around the host's layers
         if model.placement.tables_on_host:
