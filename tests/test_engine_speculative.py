@@ -568,8 +568,14 @@ def test_bench_reports_the_tuners_decision(run_artifacts, tmp_path):
     assert f"draft {draft}, tuned k≤3: {decision}" in row
 
 
+FUSED_NOT_EXACT = ("fused by torch.compile, the verify step's norms and element-wise kernels are compiled for "
+                   "k_max + 1 rows and round a row otherwise than the one-token step's: on an H100 the tokens "
+                   "parted (docs/speculation.md)")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile_", ["auto", "off"])
+@pytest.mark.parametrize("compile_", [pytest.param("auto", marks=pytest.mark.xfail(reason=FUSED_NOT_EXACT, strict=True)),
+                                      "off"])
 @pytest.mark.parametrize("draft_kind", ["coarse", "other"])
 def test_gpu_captured_verify_step_gives_plain_decodings_tokens(artifacts, draft_kind, compile_, monkeypatch):
     """On CUDA: the target's decode step and its verify step (k_max + 1 tokens, padded) both
