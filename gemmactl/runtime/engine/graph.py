@@ -219,14 +219,15 @@ class VerifyStep:
     Greedy speculation must give plain decoding's tokens, so each row must get the logits a
     one-token step gives it, bit for bit. The rows attend as one-token steps do (rows_as_decode),
     and the matrix kernels give a row in a batch its one-token result: torch's CPU int4 and int8
-    kernels, tinygemm and the int8 GEMV run once per token (int8_gemv.py), measured on an H100
-    with benchmarks/batch_invariance.py. Where the decode step is captured unfused, as a model
+    kernels and tinygemm (measured with benchmarks/batch_invariance.py, on an H100 for tinygemm),
+    and the int8 GEMV run once per token (int8_gemv.py; its GPU test holds each row to the token
+    alone). Where the decode step is captured unfused, as a model
     with streamed or host layers has it, the rows also run alone through each GPU layer
     (rows_alone), measured exact on an H100; the host's layers run the rows together, on the host,
     as the decode step runs them; a streamed layer still crosses the link once a round. Where the
     decode step is fused by torch.compile (every layer resident) the rows run together through the
-    fused step, whose norms and element-wise kernels are compiled for several rows
-    (docs/speculation.md says what was measured there).
+    fused step, whose norms and element-wise kernels are compiled for several rows and round a
+    row otherwise: not exact there (measured on an H100; docs/speculation.md).
     Beside a decode step cut around host layers (graph_host.py) the verify step is cut the same
     way: graphs for its GPU stretches, the host's layers eager between them."""
 
