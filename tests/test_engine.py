@@ -686,6 +686,96 @@ def test_gpu_int8_rows_few_tokens_are_each_the_one_token_result():
         assert torch.equal(captured, torch.cat([linear(static[i:i + 1]) for i in range(5)]))
 
 
+_INTERPRETED_NORM = """
+import torch
+from gemmactl.runtime.engine import ops, row_norm
+
+torch.manual_seed(0)
+checked = 0
+for width in (64, 256, 300, 2560):
+    scale = torch.rand(width) + 0.5
+    for rows in (1, 2, 5, 16):
+        x = (torch.randn(rows, width) * 3).to(torch.bfloat16)
+        for w in (scale, None):
+            y = row_norm.rms_norm_rows(x, w, 1e-6)
+            alone = torch.cat([row_norm.rms_norm_rows(x[i:i + 1], w, 1e-6) for i in range(rows)])
+            assert torch.equal(y, alone), (width, rows)
+            want = ops.rms_norm(x, w, 1e-6)  # the CPU's torch arithmetic
+            err = (y.float() - want.float()).abs().max().item()
+            assert y.dtype == x.dtype and err <= 2 ** -7 * want.float().abs().max().item(), (width, rows, err)
+            checked += 1
+heads = torch.randn(3, 4, 256).to(torch.bfloat16)  # [T, N, D]: a norm over each head's values
+assert torch.equal(row_norm.rms_norm_rows(heads, None, 1e-6).reshape(12, 256),
+                   row_norm.rms_norm_rows(heads.reshape(12, 256), None, 1e-6))
+print(checked)
+"""
+
+
+def test_row_norm_kernel_gives_each_row_its_own_result_whatever_rows_run_beside_it():
+    """The norm's Triton kernel in Triton's interpreter on the CPU: a row of 2 to 16 equals the row
+    normalized alone bit for bit, widths no power of two included, with and without a scale, and
+    the torch arithmetic within a bfloat16 step."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_NORM], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout) == 32
+
+
+def test_row_norm_warps_follow_the_width_alone():
+    from gemmactl.runtime.engine.row_norm import warps_for
+
+    assert [warps_for(b) for b in (64, 256, 512, 1024, 4096, 8192)] == [1, 1, 2, 4, 8, 8]
+
+
+@gpu
+def test_gpu_norms_and_dense_products_give_a_few_rows_each_their_one_row_result(monkeypatch):
+    """On CUDA, eager and compiled inside a captured step (the norm's kernel asked for there): the
+    engine's norm (row_norm.py) and a dense matrix (cuBLAS, whose kernel depends on the rows) give
+    each of 2 to 16 rows the bits the row gets alone, and the norm matches the torch arithmetic
+    within a bfloat16 step."""
+    from gemmactl.runtime.engine import ops
+    from gemmactl.runtime.engine.kernels import Linear
+
+    monkeypatch.setattr(ops, "NORM_SETTING", "kernel")
+
+    torch.manual_seed(0)
+    weight = torch.randn(3000, 2560, device="cuda", dtype=torch.bfloat16) * 0.02
+    linear, scale = Linear(weight), torch.rand(2560, device="cuda") + 0.5
+
+    def step(x):
+        return linear(ops.rms_norm(x, scale, 1e-6))
+
+    for rows in (2, 5, 16):
+        x = torch.randn(rows, 2560, device="cuda", dtype=torch.bfloat16) * 3
+        y = step(x)
+        assert torch.equal(y, torch.cat([step(x[i:i + 1]) for i in range(rows)])), rows
+        normed = ops.rms_norm(x, scale, 1e-6)
+        reference = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * scale)
+        assert (normed.float() - reference).abs().max() <= 2 ** -7 * reference.abs().max()
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    one, few = torch.randn(1, 2560, device="cuda", dtype=torch.bfloat16), torch.randn(5, 2560, device="cuda",
+                                                                                        dtype=torch.bfloat16)
+    compiled(one), compiled(few)
+    graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
+    with torch.cuda.graph(graphs[0]):
+        out_one = compiled(one)
+    with torch.cuda.graph(graphs[1]):
+        out_few = compiled(few)
+    few.copy_(torch.randn(5, 2560, device="cuda", dtype=torch.bfloat16))
+    graphs[1].replay()
+    rows = []
+    for i in range(5):
+        one.copy_(few[i:i + 1])
+        graphs[0].replay()
+        rows.append(out_one.clone())
+    assert torch.equal(out_few, torch.cat(rows))
+
+
 def test_an_artifact_the_engine_cannot_run_is_named_with_what_it_runs():
     from gemmactl.errors import UnsupportedModelError
     from gemmactl.runtime.engine.spec import model_spec

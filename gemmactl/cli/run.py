@@ -182,7 +182,8 @@ def _engine_text(d: dict) -> str:
     if d.get("speculation"):
         p = d["speculation"]
         acceptance = "-" if p["acceptance"] is None else f"{p['acceptance']:.0%}"
-        verdict = "on" if p["speculating"] else "off (plain decoding is faster)"
+        verdict = ("on" if p["speculating"] else "off (plain decoding is faster)") if not p.get("plain_because") \
+            else f"off ({p['plain_because']})"
         text += (f"\nspeculation: draft {p['draft']}, {p['mode']} k≤{p['k_max']}, {verdict}; {p['rounds']} rounds, "
                  f"{p['kept']}/{p['drafted']} drafts kept ({acceptance}), {p['plain_steps']} plain steps")
         if p.get("predicted_speedup"):

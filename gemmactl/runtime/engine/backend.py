@@ -141,8 +141,10 @@ class EngineBackend(HfTokenizerText):
                 for begin in range(0, n, chunk):
                     stop = min(n, begin + chunk)
                     logits = model.step(tokens[begin:stop], torch.arange(begin, stop, device=device), stop)
-                if self.speculator is not None:  # the draft reads the prompt when first asked to draft
-                    self.speculator.begin(list(prompt.tokens), chunk)
+                speculator = self.speculator
+                if speculator is not None:  # the draft reads the prompt when first asked to draft
+                    speculator.begin(list(prompt.tokens), chunk)
+                    speculator = speculator if speculator.speculates(request) else None
                 token = pick(logits, recent, request, generator)
                 first = int(token)  # waits for prefill: its time is TTFT's
                 prefill_s = time.perf_counter() - start
@@ -157,9 +159,9 @@ class EngineBackend(HfTokenizerText):
                     decoded += 1
                     if position >= self.context_size or decoded >= request.max_tokens:
                         break
-                    if self.speculator is not None:
+                    if speculator is not None:
                         if drafted is None:
-                            drafted = self.speculator.tokens(value, position, list(prompt.tokens) + [value], request,
+                            drafted = speculator.tokens(value, position, list(prompt.tokens) + [value], request,
                                                              generator, self.decoder, self.context_size,
                                                              budget=request.max_tokens - decoded)
                         value = next(drafted)

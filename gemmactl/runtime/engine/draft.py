@@ -41,7 +41,7 @@ def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str])
     import torch
     from transformers import AutoTokenizer
 
-    from gemmactl.runtime.engine.graph import DecodeStep, VerifyStep, rows_alone_wanted
+    from gemmactl.runtime.engine.graph import COMPILE_ENV, DecodeStep, VerifyStep, rows_alone_wanted
     from gemmactl.runtime.engine.graph_host import HostPiecesDecode
     from gemmactl.runtime.engine.model import GemmaModel
     from gemmactl.runtime.engine.speculative import Speculator, Tuner
@@ -94,7 +94,25 @@ def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str])
     speculator = Speculator(backend.model, model, Tuner(draft.k_max, fixed=None if draft.tune else draft.k_max), step,
                             verifier)
     speculator.draft_path = draft.path
+    if not greedy_exact(backend.decoder):
+        speculator.greedy_exact = False
+        notices.append(f"greedy requests decode without the draft {draft.path}: the model's step is fused on the GPU, "
+                       "where the verify step is not bit-exact (sampled requests still speculate; "
+                       f"{COMPILE_ENV}=off speculates exactly, with a slower step)")
     return speculator
+
+
+FUSED_SPECULATION_ENV = "GEMMACTL_ENGINE_SPECULATE_FUSED"  # off (default) | on: greedy speculation on a fused step too
+
+
+def greedy_exact(decoder) -> bool:
+    """Whether greedy speculation beside this DecodeStep gives plain decoding's tokens: not where
+    the step is fused by torch.compile on a GPU (measured on an H100: docs/speculation.md). Where
+    FUSED_SPECULATION_ENV is on it speculates there anyway (to measure how far the texts agree)."""
+    import os
+
+    fused = decoder.compiled and decoder.model.device.type == "cuda"
+    return not fused or os.environ.get(FUSED_SPECULATION_ENV, "off").strip().lower() in ("on", "1", "true")
 
 
 def draft_placement(artifact, device: str):

@@ -96,6 +96,21 @@ def wanted(env: str, model) -> bool:
     return model.device.type == "cuda" if setting == "auto" else True
 
 
+def row_stable_options() -> dict:
+    """Inductor's settings for a fused step asked to round a row as a one-token step does
+    (GEMMACTL_ENGINE_NORM=kernel: the norms in their own kernel inside it, row_norm.py): its
+    deterministic mode too (torch 2.10 and later), which picks a reduction kernel's launch by rule
+    rather than by timing it, so an attention softmax over one row's scores, compiled once into the
+    decode step and again into the verify step, is launched alike in both. Not the default: on an
+    H100 the two made the tiny models' fused verify step exact but not the E4B shape's, and cost
+    a tenth of the decode rate (docs/speculation.md). Empty otherwise, or where torch has no such mode."""
+    import torch._inductor.config as inductor
+
+    from gemmactl.runtime.engine import ops
+
+    return {"deterministic": True} if ops.NORM_SETTING == "kernel" and hasattr(inductor, "deterministic") else {}
+
+
 class DecodeStep:
     """Runs the model one token at a time: a replayed CUDA graph where there is one, else eagerly."""
 
@@ -116,8 +131,9 @@ class DecodeStep:
             autotune = os.environ.get(COMPILE_ENV, "").lower() == "max"
 
             def fuse(function):
-                return torch.compile(function, mode="max-autotune-no-cudagraphs" if autotune else None,
-                                     fullgraph=True, dynamic=False)
+                if autotune:
+                    return torch.compile(function, mode="max-autotune-no-cudagraphs", fullgraph=True, dynamic=False)
+                return torch.compile(function, fullgraph=True, dynamic=False, options=row_stable_options())
 
             step = fuse(step)
             # the tables in host memory: the graph starts from the gathered rows (capture)
@@ -220,14 +236,16 @@ class VerifyStep:
     one-token step gives it, bit for bit. The rows attend as one-token steps do (rows_as_decode),
     and the matrix kernels give a row in a batch its one-token result: torch's CPU int4 and int8
     kernels and tinygemm (measured with benchmarks/batch_invariance.py, on an H100 for tinygemm),
-    and the int8 GEMV run once per token (int8_gemv.py; its GPU test holds each row to the token
-    alone). Where the decode step is captured unfused, as a model
-    with streamed or host layers has it, the rows also run alone through each GPU layer
-    (rows_alone), measured exact on an H100; the host's layers run the rows together, on the host,
-    as the decode step runs them; a streamed layer still crosses the link once a round. Where the
-    decode step is fused by torch.compile (every layer resident) the rows run together through the
-    fused step, whose norms and element-wise kernels are compiled for several rows and round a
-    row otherwise: not exact there (measured on an H100; docs/speculation.md).
+    the int8 GEMV run once per token (int8_gemv.py), and on CUDA a dense matrix (cuBLAS)
+    takes a few rows one by one (kernels.few_rows); unfused, the norms run in a kernel of their own
+    (row_norm.py). Where the decode step is captured unfused, as a model with streamed or host
+    layers has it, the rows also run alone through each GPU layer (rows_alone), measured exact on
+    an H100 (and so were the rows together, once the norms ran in their kernel); the host's layers
+    run the rows together, on the host, as the decode step runs them; a streamed layer still
+    crosses the link once a round. Where the decode step is fused by torch.compile (every layer
+    resident) the rows run together through the fused step, whose norms torch.compile writes for
+    several rows: not exact there (measured on an H100; with the norms' kernel asked for inside it,
+    exact on tiny models and still not at the E4B shape; docs/speculation.md).
     Beside a decode step cut around host layers (graph_host.py) the verify step is cut the same
     way: graphs for its GPU stretches, the host's layers eager between them."""
 

@@ -55,8 +55,15 @@ class Linear:
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, x):
+        import torch
         import torch.nn.functional as F
 
+        flat = x.reshape(-1, x.shape[-1])
+        if few_rows(flat):
+            # cuBLAS picks its kernel (and so a row's sums) by the number of rows: a verify step's
+            # few rows each take the product alone, as a one-token step does
+            rows = [F.linear(flat[i:i + 1], self.weight) for i in range(flat.shape[0])]
+            return torch.cat(rows).reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight)
 
     def tensors(self) -> dict:
@@ -169,6 +176,14 @@ class Int8Linear(Linear):
 
     def with_tensors(self, tensors: dict) -> "Int8Linear":
         return Int8Linear(tensors["qweight"], tensors["scales"])
+
+
+def few_rows(flat) -> bool:
+    """Whether a product over flat [T, in] is a verify step's few rows on CUDA (2 to FEW_TOKENS_MAX),
+    which must each get the result a one-token step gets."""
+    from gemmactl.runtime.engine.int8_gemv import FEW_TOKENS_MAX
+
+    return flat.is_cuda and 1 < flat.shape[0] <= FEW_TOKENS_MAX
 
 
 def join_linears(parts: list) -> Linear | None:

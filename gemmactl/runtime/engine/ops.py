@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from gemmactl.runtime.engine import row_norm
+
+NORM_ENV = "GEMMACTL_ENGINE_NORM"  # auto (the kernel where a step is not fused) | kernel (everywhere on CUDA) | torch
+NORM_SETTING = os.environ.get(NORM_ENV, "auto").strip().lower()
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm as transformers' Gemma norms compute it: in float32, then cast back. scale: already
-    (1 + w) for Gemma 3, w for Gemma 4, None for a norm without one."""
+    (1 + w) for Gemma 3, w for Gemma 4, None for a norm without one (float32).
+
+    On CUDA, where the step is not fused by torch.compile (eager, or captured unfused as a streamed
+    model's step is), a Triton kernel that gives each row the same bits whatever rows run beside
+    it, in one launch instead of torch's several (row_norm.py). Inside a fused step torch.compile
+    writes the norm into its neighbours' kernels. NORM_ENV=kernel puts the kernel there too (and
+    the fused step in inductor's deterministic mode: graph.row_stable_options): on an H100 an E4B
+    shape decoded 225 tok/s against 249 with torch's norms (both in that mode), and its fused
+    verify step was still not exact (docs/speculation.md). NORM_ENV=torch keeps torch's norm everywhere."""
+    if x.is_cuda and NORM_SETTING != "torch" and (NORM_SETTING == "kernel" or not torch.compiler.is_compiling()) \
+            and row_norm.usable(x):
+        return torch.ops.gemmactl.rms_norm_rows(x, scale, eps)
     y = x.float()
     y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + eps, -0.5)
     if scale is not None:

@@ -237,9 +237,10 @@ class RoundStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     catch_up_s: float = 0.0  # the draft reading the prompt and plainly decoded tokens
+    plain_because: str | None = None  # why this generation decoded plainly without asking the tuner
 
     def to_dict(self) -> dict:
-        return {"rounds": self.rounds, "drafted": self.drafted, "kept": self.kept,
+        return {"rounds": self.rounds, "drafted": self.drafted, "kept": self.kept, "plain_because": self.plain_because,
                 "acceptance": round(self.kept / self.drafted, 4) if self.drafted else None,
                 "tokens_per_round": round((self.kept + self.rounds) / self.rounds, 3) if self.rounds else None,
                 "plain_steps": self.plain_steps, "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4),
@@ -256,6 +257,18 @@ class Speculator:
         self.verifier = verifier or VerifyStep(target, tuner.k_max + 1, captured=False)
         self.stats = RoundStats()
         self.draft_path: str | None = None
+        # Whether the verify step gives greedy decoding plain decoding's tokens bit for bit (not
+        # where the target's step is fused on a GPU: draft.py). Where not, greedy requests decode
+        # plainly; sampled ones, exact in distribution by the rejection rule, still speculate.
+        self.greedy_exact = True
+
+    def speculates(self, request) -> bool:
+        """Whether this request goes through the speculator (else the caller decodes plainly, and
+        the generation's stats say why)."""
+        if request.temperature > 0 or self.greedy_exact:
+            return True
+        self.stats.plain_because = "greedy, and the fused verify step is not bit-exact"
+        return False
 
     def begin(self, prompt: list[int], chunk: int) -> None:
         """A new sequence: the draft forgets the last one and will read this prompt when the tuner
