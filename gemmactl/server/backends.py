@@ -65,6 +65,8 @@ class ServerBackend:
         placement_note: str = "",
         extra_args: Sequence[str] = (),
         speculative: str = "off",
+        draft_args: Sequence[str] = (),
+        draft_tuner=None,
         flash_attn: str = "off",
         on_change: Callable[[], None] | None = None,
         replan: Callable[[], tuple[Sequence[str], str]] | None = None,
@@ -73,10 +75,18 @@ class ServerBackend:
 
         # replan: the placement again before a restart (RPC workers that are gone are left out).
         self._placement, self._replan = placement, replan
+        # draft_args: the speculative flags, left out while draft_tuner (llamacpp/draft_tuner.py) says
+        # plain decoding is faster; switching restarts the server between answers.
+        self.draft_tuner = draft_tuner
         self._make = lambda: LlamaServer(
             binary, str(model_path), threads=threads, context=context, parallel=parallel, log_dir=log_dir,
-            placement=self._placement, extra_args=extra_args, label="-".join(tiers), flash_attn=flash_attn,
+            placement=self._placement, label="-".join(tiers), flash_attn=flash_attn,
+            extra_args=(tuple(draft_args) if draft_tuner is None or draft_tuner.drafting else ()) + tuple(extra_args),
         )
+        # () → the tuner's decision and figures, for the lane's snapshot and /metrics
+        self.speculation = draft_tuner.summary if draft_tuner is not None else None
+        self._tuning = threading.Lock()  # the tuner's figures
+        self._switching = threading.Lock()  # held while the server restarts in the other configuration
         self.server = self._make()
         self.model_path = str(model_path)
         self.context = context
@@ -118,9 +128,54 @@ class ServerBackend:
             log.warning("tiers %s: llama-server turned down speculative decoding (%s); decoding without it",
                         ", ".join(self.info.tiers), refused)
 
+    def answered(self, stats, counters: dict | None) -> None:
+        """A finished answer of this server: the draft tuner's measurement. Where it says to switch,
+        the server restarts with or without its draft once the answers in flight are done (new
+        ones wait for a slot meanwhile), on a thread of its own."""
+        tuner = self.draft_tuner
+        if tuner is None or stats is None or self.info.speculative.startswith("refused"):
+            return
+        counters = counters or {}
+        with self._tuning:
+            if self._switching.locked():  # an answer of the configuration being left
+                return
+            switch = tuner.record(stats.generated_tokens, stats.decode_tok_s, counters.get("draft_tokens", 0),
+                                  counters.get("draft_accepted", 0))
+            if switch:
+                self._switching.acquire()  # released by _switch_draft once the server is back
+                threading.Thread(target=self._switch_draft, name=f"draft-{self.info.tiers[0]}", daemon=True).start()
+
+    def _switch_draft(self) -> None:
+        held = 0
+        try:
+            try:
+                for _ in range(self.parallel):  # every slot: the answers in flight finish first
+                    self.slots.acquire()
+                    held += 1
+                if self._stopping.is_set():
+                    return
+                drafting = self.draft_tuner.drafting
+                log.info("tiers %s: restarting llama-server %s its draft (decode %s tok/s with it, %s without)",
+                         ", ".join(self.info.tiers), "with" if drafting else "without",
+                         self.draft_tuner.summary()["decode_tok_s_drafting"],
+                         self.draft_tuner.summary()["decode_tok_s_plain"])
+                self.server.stop()
+                self.server = self._make()
+                try:
+                    self._start_once()
+                except (ServerError, GemmactlError) as exc:  # the watchdog's restarts take over
+                    log.warning("restarting llama-server for %s failed: %s", ", ".join(self.info.tiers), exc)
+                    return
+                self._on_change()
+            finally:
+                for _ in range(held):
+                    self.slots.release()
+        finally:
+            self._switching.release()
+
     def _watch(self) -> None:
         while not self._stopping.wait(0.2):
-            if self.state != READY or self.server.alive():
+            if self.state != READY or self.server.alive() or self._switching.locked():
                 continue
             code = self.server.process.returncode if self.server.process else None
             log.warning("llama-server for %s exited (code %s); restarting it", ", ".join(self.info.tiers), code)

@@ -125,6 +125,9 @@ class Lane:
                 c.draft_accepted += counters["draft_accepted"]
             c.recent.append((now, stats.generated_tokens))
             self._trim(now)
+        answered = getattr(self.backend, "answered", None)  # a llama-server tier's draft tuner measures it
+        if answered is not None:
+            answered(stats, counters)
 
     def count(self, what: str) -> None:
         with self._lock:
@@ -164,7 +167,7 @@ class Lane:
                 "shared_with": [t for t in info.tiers if t != self.name], "placement": info.placement,
                 "speculative": info.speculative, "pid": backend.pid, "restarts": backend.restarts,
             })
-            tuner = getattr(backend, "speculation", None)  # an int4 tier's speculation tuner, if it has a draft
+            tuner = getattr(backend, "speculation", None)  # a tier's speculation tuner, if it has a draft
             if tuner is not None:
                 data["speculation"] = tuner()
         return data

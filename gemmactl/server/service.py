@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gemmactl.errors import GemmactlError, InvalidOptionError, NoLlamaBuildError, PortInUseError, ServeAddressError
+from gemmactl.llamacpp.draft_tuner import ServerDraftTuner
 from gemmactl.recipes import Recipe
 from gemmactl.store.refs import ResolvedModel
 from gemmactl.server.backends import InProcessBackend, ServerBackend
@@ -69,6 +70,12 @@ class BackendPlan:
     kv_cache: str | None = None  # the tiers' KV cache mode (recipe kv_cache)
     yarn: float | None = None  # the tiers' YaRN factor (recipe yarn), for int4 tiers
     draft: object | None = None  # the tiers' draft (recipe speculative: draft_model), for int4 tiers
+
+
+def _draft_max(spec_args: tuple[str, ...]) -> int | None:
+    """The --spec-draft-n-max of a tier's speculative flags (None for n-grams, which have none)."""
+    args = list(spec_args)
+    return int(args[args.index("--spec-draft-n-max") + 1]) if "--spec-draft-n-max" in args else None
 
 
 def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_build: bool
@@ -272,11 +279,15 @@ class Service:
 
             placement, note = place(plan.rpc)
             build = active_build(self.store)
+            # A tier's draft goes through its tuner: off (a restart without it) when plain decoding is faster.
+            tuner = ServerDraftTuner(_draft_max(plan.spec_args)) if plan.spec_args else None
             backend = ServerBackend(
                 build.binary("llama-server"), plan.model.path, tiers=plan.tiers, context=plan.context,
                 parallel=plan.parallel, threads=threads, log_dir=self.store.home / "logs" / "serve",
-                placement=placement, placement_note=note, speculative=plan.spec_note,
-                extra_args=plan.spec_args + (("--backend-sampling",) if plan.backend_sampling else ())
+                placement=placement, placement_note=note,
+                speculative=plan.spec_note + (", tuned" if tuner is not None else ""),
+                draft_args=plan.spec_args, draft_tuner=tuner,
+                extra_args=(("--backend-sampling",) if plan.backend_sampling else ())
                 + (("-ctk", plan.kv_cache, "-ctv", plan.kv_cache) if plan.kv_cache else ()),
                 # llama.cpp keeps a quantized V only with flash attention
                 flash_attn="on" if plan.kv_cache not in (None, "f16") else plan.flash_attn,
