@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gemmactl.errors import BackendError, GemmactlError, ServerError
+from gemmactl.llamacpp.draft_tuner import server_args
 from gemmactl.llamacpp.served import ServerGeneration, model_text_of
 from gemmactl.prompt.build import ModelText
 from gemmactl.runtime.base import EngineTimings, GenerationRequest, PreparedPrompt, PromptedBackend
@@ -75,13 +76,14 @@ class ServerBackend:
 
         # replan: the placement again before a restart (RPC workers that are gone are left out).
         self._placement, self._replan = placement, replan
-        # draft_args: the speculative flags, left out while draft_tuner (llamacpp/draft_tuner.py) says
-        # plain decoding is faster; switching restarts the server between answers.
+        # draft_args: the speculative flags, as draft_tuner (llamacpp/draft_tuner.py) has them now: the
+        # recipe's, a shorter draft, or none; switching restarts the server between answers.
         self.draft_tuner = draft_tuner
         self._make = lambda: LlamaServer(
             binary, str(model_path), threads=threads, context=context, parallel=parallel, log_dir=log_dir,
             placement=self._placement, label="-".join(tiers), flash_attn=flash_attn,
-            extra_args=(tuple(draft_args) if draft_tuner is None or draft_tuner.drafting else ()) + tuple(extra_args),
+            extra_args=(tuple(draft_args) if draft_tuner is None else server_args(tuple(draft_args), draft_tuner.length))
+            + tuple(extra_args),
         )
         # () → the tuner's decision and figures, for the lane's snapshot and /metrics
         self.speculation = draft_tuner.summary if draft_tuner is not None else None
@@ -154,11 +156,10 @@ class ServerBackend:
                     held += 1
                 if self._stopping.is_set():
                     return
-                drafting = self.draft_tuner.drafting
-                log.info("tiers %s: restarting llama-server %s its draft (decode %s tok/s with it, %s without)",
-                         ", ".join(self.info.tiers), "with" if drafting else "without",
-                         self.draft_tuner.summary()["decode_tok_s_drafting"],
-                         self.draft_tuner.summary()["decode_tok_s_plain"])
+                tuner = self.draft_tuner
+                log.info("tiers %s: restarting llama-server %s (decode tok/s measured: %s)", ", ".join(self.info.tiers),
+                         f"with drafts of up to {tuner.length}" if tuner.length else
+                         "with its draft" if tuner.drafting else "without its draft", tuner.summary()["decode_tok_s"])
                 self.server.stop()
                 self.server = self._make()
                 try:
