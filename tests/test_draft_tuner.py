@@ -49,7 +49,7 @@ def test_the_tuner_probes_the_runner_up_later_and_backs_off_when_nothing_changed
     assert not tuner.drafting and tuner.probe_every == 10
     assert _answers(tuner, 40.0, 10) == [9]
     assert _answers(tuner, 60.0, 2) == []  # now the draft wins (acceptance rose): it stays
-    assert tuner.drafting and tuner.settled and tuner.probe_every == 10
+    assert tuner.drafting and tuner.settled and tuner.probe_every == 5  # and probes as often as at first
 
 
 def test_the_tuner_keeps_a_draft_that_pays_and_ignores_short_answers():
@@ -78,13 +78,14 @@ def test_a_served_tier_restarts_in_the_draft_configuration_that_decodes_fastest(
             deadline = time.monotonic() + 60
             while backend._switching.locked() and time.monotonic() < deadline:
                 time.sleep(0.05)
+            assert not backend._switching.locked(), "llama-server did not come back within 60 s"
             return list(backend.server.command)
 
         commands, drafted = [switched()], []
         for _ in range(3):
             status, _, body = post(f"{service.url}/v1/completions", {"prompt": "The capital of France is",
                                                                      "max_tokens": 24})
-            assert status == 200, body
+            assert status == 200 and body["usage"]["completion_tokens"] >= MIN_TOKENS, body  # long enough to count
             drafted.append(body["gemmactl"]["draft_tokens"])
             commands.append(switched())
         assert [c[c.index("--spec-draft-n-max") + 1] if "-md" in c else None for c in commands[:3]] == ["4", "2", None]

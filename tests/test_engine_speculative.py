@@ -638,6 +638,10 @@ def test_gpu_captured_verify_step_gives_plain_decodings_tokens(artifacts, draft_
     from gemmactl.runtime.engine.graph import COMPILE_ENV, DecodeStep, VerifyStep, rows_alone_wanted
 
     if compile_ == "auto, kernel norms":
+        import torch._inductor.config as inductor
+
+        if not hasattr(inductor, "deterministic"):
+            pytest.skip("this torch has no deterministic mode in inductor (torch 2.10 and later)")
         compile_ = "auto"
         monkeypatch.setattr(ops, "NORM_SETTING", "kernel")
     monkeypatch.setenv(COMPILE_ENV, compile_)

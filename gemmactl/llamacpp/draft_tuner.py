@@ -12,8 +12,8 @@ n-gram tier, which has no draft length, chooses between on and off.
 It measures the decode rate a caller waits for (tokens after the first over the time after the
 first) on the tier's answers of at least MIN_TOKENS: MEASURE_ANSWERS answers in each
 configuration in turn, and keeps the fastest. After FIRST_PROBE answers it measures the
-runner-up again, twice as long after each probe that changed nothing (up to MAX_PROBE), as the
-engine's tuner probes. Each switch costs a restart of the server (its load time), which is why a
+runner-up again, twice as long after each probe that changed nothing (up to MAX_PROBE) and
+FIRST_PROBE again after one that did, as the engine's tuner probes. Each switch costs a restart of the server (its load time), which is why a
 probe waits for many answers.
 """
 
@@ -63,7 +63,7 @@ class ServerDraftTuner:
         self.rates: dict = {length: None for length in self.lengths}  # decode tok/s by configuration
         self.acceptance: float | None = None
         self.measure = measure
-        self.probe_every = first_probe
+        self.first_probe = self.probe_every = first_probe
         self.settled = False  # False: measuring configurations in turn
         self.answers = 0  # answers in the current configuration since it began
         self.switches = 0
@@ -98,8 +98,8 @@ class ServerDraftTuner:
             return self._switch(unmeasured[0])
         best = max(self.lengths, key=lambda c: self.rates[c])
         self.settled = True
-        if self._before_probe is not None and best == self._before_probe:
-            self.probe_every = min(MAX_PROBE, 2 * self.probe_every)  # the probe changed nothing
+        if self._before_probe is not None:  # a probe: twice as far apart if it changed nothing, else afresh
+            self.probe_every = min(MAX_PROBE, 2 * self.probe_every) if best == self._before_probe else self.first_probe
         self._before_probe = None
         if best != self.length:
             return self._switch(best)

@@ -88,7 +88,8 @@ class ServerBackend:
         # () → the tuner's decision and figures, for the lane's snapshot and /metrics
         self.speculation = draft_tuner.summary if draft_tuner is not None else None
         self._tuning = threading.Lock()  # the tuner's figures
-        self._switching = threading.Lock()  # held while the server restarts in the other configuration
+        self._switching = threading.Lock()  # held while a draft switch or the watchdog replaces the server
+        self._switcher: threading.Thread | None = None
         self.server = self._make()
         self.model_path = str(model_path)
         self.context = context
@@ -132,40 +133,52 @@ class ServerBackend:
 
     def answered(self, stats, counters: dict | None) -> None:
         """A finished answer of this server: the draft tuner's measurement. Where it says to switch,
-        the server restarts with or without its draft once the answers in flight are done (new
-        ones wait for a slot meanwhile), on a thread of its own."""
+        the server restarts in the tuner's configuration once the answers in flight are done (new
+        ones wait for a slot meanwhile), on a thread of its own. `_switching` is held by that
+        thread, or by the watchdog restarting a dead server: one replaces the server at a time."""
         tuner = self.draft_tuner
-        if tuner is None or stats is None or self.info.speculative.startswith("refused"):
+        if tuner is None or stats is None or self.state != READY or self.info.speculative.startswith("refused"):
             return
         counters = counters or {}
         with self._tuning:
-            if self._switching.locked():  # an answer of the configuration being left
+            if not self._switching.acquire(blocking=False):  # an answer of a server being replaced
                 return
-            switch = tuner.record(stats.generated_tokens, stats.decode_tok_s, counters.get("draft_tokens", 0),
-                                  counters.get("draft_accepted", 0))
-            if switch:
-                self._switching.acquire()  # released by _switch_draft once the server is back
-                threading.Thread(target=self._switch_draft, name=f"draft-{self.info.tiers[0]}", daemon=True).start()
+            started = False
+            try:
+                if tuner.record(stats.generated_tokens, stats.decode_tok_s, counters.get("draft_tokens", 0),
+                                counters.get("draft_accepted", 0)):
+                    self._switcher = threading.Thread(target=self._switch_draft, name=f"draft-{self.info.tiers[0]}",
+                                                      daemon=True)
+                    self._switcher.start()
+                    started = True  # the thread releases _switching
+            finally:
+                if not started:
+                    self._switching.release()
 
     def _switch_draft(self) -> None:
         held = 0
         try:
             try:
-                for _ in range(self.parallel):  # every slot: the answers in flight finish first
-                    self.slots.acquire()
-                    held += 1
-                if self._stopping.is_set():
-                    return
+                while held < self.parallel:  # every slot: the answers in flight finish first
+                    if self._stopping.is_set():
+                        return
+                    if self.slots.acquire(timeout=0.5):
+                        held += 1
                 tuner = self.draft_tuner
                 log.info("tiers %s: restarting llama-server %s (decode tok/s measured: %s)", ", ".join(self.info.tiers),
                          f"with drafts of up to {tuner.length}" if tuner.length else
                          "with its draft" if tuner.drafting else "without its draft", tuner.summary()["decode_tok_s"])
                 self.server.stop()
+                if self._stopping.is_set():
+                    return
                 self.server = self._make()
                 try:
                     self._start_once()
-                except (ServerError, GemmactlError) as exc:  # the watchdog's restarts take over
+                except (ServerError, GemmactlError) as exc:  # dead: the watchdog's restarts take over
                     log.warning("restarting llama-server for %s failed: %s", ", ".join(self.info.tiers), exc)
+                    return
+                if self._stopping.is_set():  # stop() came while it started: it must not outlive us
+                    self.server.stop()
                     return
                 self._on_change()
             finally:
@@ -176,39 +189,49 @@ class ServerBackend:
 
     def _watch(self) -> None:
         while not self._stopping.wait(0.2):
-            if self.state != READY or self.server.alive() or self._switching.locked():
+            if self.state != READY or self.server.alive():
                 continue
-            code = self.server.process.returncode if self.server.process else None
-            log.warning("llama-server for %s exited (code %s); restarting it", ", ".join(self.info.tiers), code)
-            self.state = RESTARTING
-            self._on_change()
-            for delay in RESTART_DELAYS:
-                if self._stopping.wait(delay):
-                    return
-                try:
-                    self.server.stop()
-                    if self._replan is not None:
-                        self._placement, self.info.placement = self._replan()
-                    self.server = self._make()
-                    self._start_once()
-                except (ServerError, GemmactlError) as exc:
-                    log.warning("restarting llama-server for %s failed: %s", ", ".join(self.info.tiers), exc)
-                    continue
-                self.restarts += 1
-                self.state = READY
-                log.info("llama-server for %s is back (pid %s, %.1f s)", ", ".join(self.info.tiers),
-                         self.server.pid, self.load_s)
-                break
-            else:
-                self.state = FAILED
-                log.error("llama-server for %s could not be restarted; see %s", ", ".join(self.info.tiers),
-                          self.server.log_path)
-            self._on_change()
+            if not self._switching.acquire(blocking=False):  # a draft switch is replacing the server
+                continue
+            try:
+                self._restart()
+            finally:
+                self._switching.release()
+
+    def _restart(self) -> None:
+        code = self.server.process.returncode if self.server.process else None
+        log.warning("llama-server for %s exited (code %s); restarting it", ", ".join(self.info.tiers), code)
+        self.state = RESTARTING
+        self._on_change()
+        for delay in RESTART_DELAYS:
+            if self._stopping.wait(delay):
+                return
+            try:
+                self.server.stop()
+                if self._replan is not None:
+                    self._placement, self.info.placement = self._replan()
+                self.server = self._make()
+                self._start_once()
+            except (ServerError, GemmactlError) as exc:
+                log.warning("restarting llama-server for %s failed: %s", ", ".join(self.info.tiers), exc)
+                continue
+            self.restarts += 1
+            self.state = READY
+            log.info("llama-server for %s is back (pid %s, %.1f s)", ", ".join(self.info.tiers),
+                     self.server.pid, self.load_s)
+            break
+        else:
+            self.state = FAILED
+            log.error("llama-server for %s could not be restarted; see %s", ", ".join(self.info.tiers),
+                      self.server.log_path)
+        self._on_change()
 
     def stop(self) -> None:
         self._stopping.set()
         if self._watchdog is not None:
             self._watchdog.join(timeout=15)
+        if self._switcher is not None:
+            self._switcher.join(timeout=60)
         self.server.stop()
         self.state = STOPPED
 
