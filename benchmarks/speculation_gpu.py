@@ -173,12 +173,12 @@ def main() -> None:
 
     from gemmactl.runtime.base import GenerationRequest
     from gemmactl.runtime.engine.backend import EngineBackend
-    from gemmactl.runtime.engine.draft import FUSED_SPECULATION_ENV, DraftSettings
+    from gemmactl.runtime.engine.draft import INEXACT_SPECULATION_ENV, DraftSettings
     from gemmactl.runtime.engine.speculative import Tuner
 
     # Greedy speculation on a fused step (every layer resident) is not bit-exact, so the engine
     # decodes greedy requests plainly there; measured anyway, with how far the texts agree.
-    os.environ.setdefault(FUSED_SPECULATION_ENV, "on")
+    os.environ.setdefault(INEXACT_SPECULATION_ENV, "on")
     args.work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     target, draft = build(args.work, args.vocab, tuple(args.kinds))

@@ -491,7 +491,7 @@ def test_greedy_requests_decode_plainly_where_the_verify_step_is_not_bit_exact(r
 
     target, draft = (str(path) for path in run_artifacts)
     backend = EngineBackend(target, context_size=256, draft=DraftSettings(draft, k_max=3, tune=False))
-    backend.speculator.greedy_exact = False
+    backend.speculator.greedy_inexact = "the model's step is fused on the GPU, where the verify step is not bit-exact"
 
     def text(request):
         return "".join(event.text for event in stream_generate(backend, request) if hasattr(event, "channel"))
@@ -499,11 +499,12 @@ def test_greedy_requests_decode_plainly_where_the_verify_step_is_not_bit_exact(r
     greedy = GenerationRequest(prompt="The capital of France is", temperature=0, max_tokens=16, raw=True)
     answer = text(greedy)
     stats = backend.describe()["speculation"]
-    assert stats["rounds"] == 0 and stats["plain_because"] == "greedy, and the fused verify step is not bit-exact"
-    backend.speculator.greedy_exact = True
+    assert stats["rounds"] == 0 and stats["plain_because"] == ("greedy, and the model's step is fused on the GPU, "
+                                                               "where the verify step is not bit-exact")
+    backend.speculator.greedy_inexact = None
     assert text(greedy) == answer and answer
     assert backend.describe()["speculation"]["rounds"] > 0
-    backend.speculator.greedy_exact = False
+    backend.speculator.greedy_inexact = "the MoE verify step's rows are not measured bit-exact on a GPU"
     text(GenerationRequest(prompt="The capital of France is", temperature=0.8, seed=3, max_tokens=16, raw=True))
     engine = backend.describe()
     stats = engine["speculation"]
@@ -511,23 +512,26 @@ def test_greedy_requests_decode_plainly_where_the_verify_step_is_not_bit_exact(r
     backend.close()
     from gemmactl.cli.run import _engine_text
 
-    engine["speculation"]["plain_because"] = "greedy, and the fused verify step is not bit-exact"
-    assert "fixed k≤3, off (greedy, and the fused verify step is not bit-exact)" in _engine_text(engine)
+    engine["speculation"]["plain_because"] = "greedy, and the MoE verify step's rows are not measured bit-exact on a GPU"
+    assert "fixed k≤3, off (greedy, and the MoE verify step's rows are not measured bit-exact on a GPU)" \
+        in _engine_text(engine)
 
 
-def test_greedy_speculation_is_exact_except_beside_a_step_fused_on_a_gpu(monkeypatch):
+def test_greedy_speculation_is_exact_except_beside_a_fused_or_moe_step_on_a_gpu(monkeypatch):
     from types import SimpleNamespace
 
-    from gemmactl.runtime.engine.draft import FUSED_SPECULATION_ENV, greedy_exact
+    from gemmactl.runtime.engine.draft import INEXACT_SPECULATION_ENV, greedy_inexact
 
-    def decoder(compiled, device):
-        return SimpleNamespace(compiled=compiled, model=SimpleNamespace(device=torch.device(device)))
+    def decoder(compiled, device, experts=None):
+        return SimpleNamespace(compiled=compiled, model=SimpleNamespace(device=torch.device(device), experts=experts))
 
-    monkeypatch.delenv(FUSED_SPECULATION_ENV, raising=False)
-    assert greedy_exact(decoder(False, "cuda")) and greedy_exact(decoder(True, "cpu"))
-    assert not greedy_exact(decoder(True, "cuda"))
-    monkeypatch.setenv(FUSED_SPECULATION_ENV, "on")  # measured anyway (benchmarks/speculation_gpu.py)
-    assert greedy_exact(decoder(True, "cuda"))
+    monkeypatch.delenv(INEXACT_SPECULATION_ENV, raising=False)
+    assert greedy_inexact(decoder(False, "cuda")) is None and greedy_inexact(decoder(True, "cpu")) is None
+    assert greedy_inexact(decoder(False, "cpu", experts=object())) is None  # exact on the CPU (tested above)
+    assert "fused" in greedy_inexact(decoder(True, "cuda"))
+    assert "MoE" in greedy_inexact(decoder(False, "cuda", experts=object()))
+    monkeypatch.setenv(INEXACT_SPECULATION_ENV, "on")  # measured anyway (benchmarks/speculation_gpu.py)
+    assert greedy_inexact(decoder(True, "cuda")) is None
 
 
 def test_draft_options_that_cannot_apply_are_one_line_each(run_artifacts, runner, isolated_home, tmp_path):

@@ -94,25 +94,34 @@ def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str])
     speculator = Speculator(backend.model, model, Tuner(draft.k_max, fixed=None if draft.tune else draft.k_max), step,
                             verifier)
     speculator.draft_path = draft.path
-    if not greedy_exact(backend.decoder):
-        speculator.greedy_exact = False
-        notices.append(f"greedy requests decode without the draft {draft.path}: the model's step is fused on the GPU, "
-                       "where the verify step is not bit-exact (sampled requests still speculate; "
-                       f"{COMPILE_ENV}=off speculates exactly, with a slower step)")
+    speculator.greedy_inexact = greedy_inexact(backend.decoder)
+    if speculator.greedy_inexact:
+        fused = backend.decoder.compiled
+        notices.append(f"greedy requests decode without the draft {draft.path}: {speculator.greedy_inexact} "
+                       "(sampled requests still speculate"
+                       + (f"; {COMPILE_ENV}=off speculates exactly, with a slower step)" if fused else ")"))
     return speculator
 
 
-FUSED_SPECULATION_ENV = "GEMMACTL_ENGINE_SPECULATE_FUSED"  # off (default) | on: greedy speculation on a fused step too
+INEXACT_SPECULATION_ENV = "GEMMACTL_ENGINE_SPECULATE_INEXACT"  # off (default) | on: greedy speculation there too
 
 
-def greedy_exact(decoder) -> bool:
-    """Whether greedy speculation beside this DecodeStep gives plain decoding's tokens: not where
-    the step is fused by torch.compile on a GPU (measured on an H100: docs/speculation.md). Where
-    FUSED_SPECULATION_ENV is on it speculates there anyway (to measure how far the texts agree)."""
+def greedy_inexact(decoder) -> str | None:
+    """Why greedy speculation beside this DecodeStep would not give plain decoding's tokens bit for
+    bit, or None where it does. On a GPU: a step fused by torch.compile (measured not exact on an
+    H100: docs/speculation.md), and an MoE model (its verify step's rows routed together through
+    the experts' kernels, not measured there). Where INEXACT_SPECULATION_ENV is on it speculates
+    there anyway (to measure how far the texts agree)."""
     import os
 
-    fused = decoder.compiled and decoder.model.device.type == "cuda"
-    return not fused or os.environ.get(FUSED_SPECULATION_ENV, "off").strip().lower() in ("on", "1", "true")
+    if decoder.model.device.type != "cuda" or os.environ.get(INEXACT_SPECULATION_ENV, "off").strip().lower() in (
+            "on", "1", "true"):
+        return None
+    if decoder.compiled:
+        return "the model's step is fused on the GPU, where the verify step is not bit-exact"
+    if decoder.model.experts is not None:
+        return "the MoE verify step's rows are not measured bit-exact on a GPU"
+    return None
 
 
 def draft_placement(artifact, device: str):

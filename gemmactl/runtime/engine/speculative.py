@@ -257,17 +257,17 @@ class Speculator:
         self.verifier = verifier or VerifyStep(target, tuner.k_max + 1, captured=False)
         self.stats = RoundStats()
         self.draft_path: str | None = None
-        # Whether the verify step gives greedy decoding plain decoding's tokens bit for bit (not
-        # where the target's step is fused on a GPU: draft.py). Where not, greedy requests decode
-        # plainly; sampled ones, exact in distribution by the rejection rule, still speculate.
-        self.greedy_exact = True
+        # Why the verify step would not give greedy decoding plain decoding's tokens bit for bit, or
+        # None (draft.greedy_inexact: a fused step or MoE on a GPU). Where so, greedy requests
+        # decode plainly; sampled ones, exact in distribution by the rejection rule, still speculate.
+        self.greedy_inexact: str | None = None
 
     def speculates(self, request) -> bool:
         """Whether this request goes through the speculator (else the caller decodes plainly, and
         the generation's stats say why)."""
-        if request.temperature > 0 or self.greedy_exact:
+        if request.temperature > 0 or self.greedy_inexact is None:
             return True
-        self.stats.plain_because = "greedy, and the fused verify step is not bit-exact"
+        self.stats.plain_because = f"greedy, and {self.greedy_inexact}"
         return False
 
     def begin(self, prompt: list[int], chunk: int) -> None:
