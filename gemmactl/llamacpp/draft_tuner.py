@@ -13,8 +13,10 @@ It measures the decode rate a caller waits for (tokens after the first over the 
 first) on the tier's answers of at least MIN_TOKENS: MEASURE_ANSWERS answers in each
 configuration in turn, and keeps the fastest. After FIRST_PROBE answers it measures the
 runner-up again, twice as long after each probe that changed nothing (up to MAX_PROBE) and
-FIRST_PROBE again after one that did, as the engine's tuner probes. Each switch costs a restart of the server (its load time), which is why a
-probe waits for many answers.
+FIRST_PROBE again after one that did, as the engine's tuner probes. Each switch costs a restart
+of the server (its load time), which is why a probe waits for many answers. (The engine's tuner
+has the same decayed average; it is not imported from there, which would load torch into every
+llama.cpp tier.)
 """
 
 from __future__ import annotations
