@@ -102,8 +102,9 @@ def row_stable_options() -> dict:
     deterministic mode too (torch 2.10 and later), which picks a reduction kernel's launch by rule
     rather than by timing it, so an attention softmax over one row's scores, compiled once into the
     decode step and again into the verify step, is launched alike in both. Not the default: on an
-    H100 the two made the tiny models' fused verify step exact but not the E4B shape's, and cost
-    a tenth of the decode rate (docs/speculation.md). Empty otherwise, or where torch has no such mode."""
+    H100 the two made the tiny models' fused verify step exact but not the E4B shape's, and the
+    norms' kernel cost a tenth of the decode rate (docs/speculation.md). Empty otherwise, or where
+    torch has no such mode."""
     import torch._inductor.config as inductor
 
     from gemmactl.runtime.engine import ops
