@@ -173,6 +173,27 @@ def test_an_int4_head_of_its_own_decodes_as_transformers_holding_it(kind, tmp_pa
     assert inventory_from_int4(tmp_path / "tied").output_tied
 
 
+def test_a_tied_int4_table_is_counted_as_the_int4_head_the_engine_makes(tmp_path, monkeypatch):
+    """With --embeddings int4 the tied head is the table's record in an int4 kernel (make_linear),
+    not a bfloat16 copy: the map once counted an E4B shape's as 1,342 MB instead of about 380.
+    (The tiny width is below tinygemm's tile, so the Triton kernel's layout, kept as stored, is
+    the int4 one here.)"""
+    from gemmactl.plan.engine_map import _costs, _index_and_spec
+    from gemmactl.runtime.engine.kernels import INT4_ENV, linear_bytes
+    from helpers.random_gemma import write_random_int4
+
+    monkeypatch.setenv(INT4_ENV, "groups")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    write_random_int4("e2b-tiny", tmp_path / "a", sensitive="int4", embeddings="int4")
+    index, spec = _index_and_spec(tmp_path / "a")
+    table = next(r for r in index["tensors"] if r["name"].endswith("embed_tokens.weight"))
+    assert spec.tied and table["scheme"] == "int4" and table["group_size"]
+    shape = tuple(table["shape"])
+    head = _costs(index, spec, 64)[1]["head"]
+    assert head == linear_bytes("int4", shape, table["group_size"], cuda=True) < shape[0] * shape[1] * 2 / 3
+
+
 @pytest.mark.parametrize("kind", ["e2b-tiny", "gemma3-tiny", "moe"])
 def test_every_placement_decodes_the_same_tokens(artifacts, kind):
     """All resident, half streamed, all on the host, mixed with tables in host memory: the same

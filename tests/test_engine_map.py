@@ -355,15 +355,19 @@ def test_the_kv_mode_sizes_the_caches_and_context_max_finds_the_longest(artifact
     and a quantized cache's read (a block of slots, scores and sums for a prefill chunk) are held
     to small bounds here: in a model this tiny they would outweigh its KV caches."""
     from gemmactl.plan import engine_map
-    from gemmactl.plan.engine_map import longest_context
+    from gemmactl.plan.engine_map import _index_and_spec, _read_bytes, _work_bytes, longest_context
     from gemmactl.runtime.engine import kv_modes
     from gemmactl.runtime.engine import spec as spec_module
 
     monkeypatch.setattr(spec_module, "SCORES_BLOCK_BYTES", 256 << 10)
     monkeypatch.setattr(kv_modes, "READ_BLOCK_BYTES", 16 << 10)
     monkeypatch.setattr(engine_map, "CHUNK_TOKENS", 16)
-    assert plan_engine(artifact, PROFILE, 64 << 30, 4096, "tq4").gpu_bytes["work"] > \
-        plan_engine(artifact, PROFILE, 64 << 30, 4096, "bf16").gpu_bytes["work"]  # a read block's room
+    _, spec = _index_and_spec(artifact)
+    reads = {n: _read_bytes(spec, n, "tq4", 0) for n in (16, 4096)}
+    assert 0 < reads[16] <= reads[4096]  # a read block's room: the whole cache up to a block, then one block
+    # A quantized read's scores are its block's (in its room), never the context's; bf16's are the context's.
+    assert _work_bytes(spec, 4096, "tq4") - reads[4096] == _work_bytes(spec, 16, "tq4") - reads[16] \
+        < _work_bytes(spec, 4096, "bf16")
 
     kv = {mode: plan_engine(artifact, PROFILE, 64 << 30, 4096, mode).gpu_bytes["kv"] for mode in ("bf16", "int8", "tq4", "tq3")}
     assert kv["bf16"] > kv["int8"] > kv["tq4"] > kv["tq3"] > 0
@@ -384,6 +388,43 @@ def test_the_kv_mode_sizes_the_caches_and_context_max_finds_the_longest(artifact
                           (["--backend", "int4", "--context", "lots"], "neither a number of tokens nor max")):
         result = invoke(runner, ["plan", str(artifact), "--hardware", "desktop-4g", *args])
         assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output, result.output
+
+
+def test_context_max_also_names_the_longest_context_keeping_every_layer_on_the_gpu(artifact, runner, monkeypatch):
+    """Past the longest context at which every layer stays on the GPU the engine streams layers
+    for the cache's room (and still runs, to longest_context); `plan --context max` names both.
+    (The prefill's scores and a quantized read's room held small, as in the test above.)"""
+    from gemmactl.plan import engine_map
+    from gemmactl.plan.engine_map import longest_context, longest_resident_context
+    from gemmactl.runtime.engine import kv_modes
+    from gemmactl.runtime.engine import spec as spec_module
+
+    monkeypatch.setattr(spec_module, "SCORES_BLOCK_BYTES", 256 << 10)
+    monkeypatch.setattr(kv_modes, "READ_BLOCK_BYTES", 16 << 10)
+    monkeypatch.setattr(engine_map, "CHUNK_TOKENS", 16)
+
+    def resident(context: int, mode: str, budget: int) -> bool:
+        try:
+            return all(kind == "resident" for kind in plan_engine(artifact, PROFILE, budget, context, mode).layers)
+        except BudgetTooSmallError:
+            return False
+
+    whole = plan_engine(artifact, PROFILE, 64 << 30, 1024)
+    budget = whole.gpu_total - whole.gpu_bytes["tables"] + (96 << 10)  # every layer at 1024, the tables in host memory
+    found = {mode: longest_resident_context(artifact, PROFILE, budget, mode) for mode in ("bf16", "tq4")}
+    from gemmactl.formats.int4.reader import read_index
+    from gemmactl.runtime.engine.spec import hf_text_config
+
+    limit = int(hf_text_config(read_index(artifact)["config"]).max_position_embeddings)
+    for mode, n in found.items():
+        assert resident(n, mode, budget) and (n == limit or not resident(n + 256, mode, budget))
+        assert longest_context(artifact, PROFILE, budget, mode) >= n  # longer where streaming frees room
+    assert found["bf16"] >= 1024 and found["tq4"] > 2 * found["bf16"]
+    assert longest_resident_context(artifact, PROFILE, plan_engine(artifact, PROFILE, 64 << 30, 256).minimum_vram_bytes) == 0
+    result = invoke(runner, ["plan", str(artifact), "--backend", "int4", "--hardware", "desktop-4g", "--vram",
+                             f"{budget}B", "--context", "max", "--kv-cache", "tq4"])
+    assert result.exit_code == 0, result.output
+    assert "every layer on the GPU up to " in result.output
 
 
 @pytest.fixture(scope="module")

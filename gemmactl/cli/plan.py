@@ -199,6 +199,10 @@ def _render_engine(data: dict, engine: dict) -> list[str]:
         + (" (a captured step reads every cache slot)" if engine["captured"] else
            f" with the caches full ({engine['context']} tokens), {engine['decode_tok_s_start']:.1f} at the start"),
     ]
+    if engine.get("longest_resident_context") is not None:
+        resident = engine["longest_resident_context"]
+        lines.append(f"every layer on the GPU up to {resident:,} tokens of context" if resident else
+                     "no context keeps every layer on the GPU at this budget")
     if engine.get("experts"):
         e = engine["experts"]
         lines.insert(-1, f"experts: {e['cached']} of {e['count']} cached on the GPU ({format_size(e['cache_bytes'])}, "

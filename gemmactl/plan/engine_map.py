@@ -112,6 +112,7 @@ class EngineMap:
     kv_reads: tuple[tuple[int, float], ...] = ()  # (slots at most, seconds per filled slot) of a step's cache reads
     captured: bool = True  # the step runs in a CUDA graph (no layer on the CPU): every cache slot is read
     empty_tok_s: float = 0.0  # the rate with nothing in the caches (an eager step's start)
+    longest_resident: int | None = None  # with --context max: the longest context keeping every layer on the GPU
 
     def decode_tok_s_at(self, position: int) -> float:
         """The predicted decode rate with the caches filled to position tokens."""
@@ -128,6 +129,7 @@ class EngineMap:
                 "link_bytes_per_token": self.link_bytes_per_token, "decode_tok_s": round(self.decode_tok_s, 2),
                 "decode_tok_s_start": round(self.decode_tok_s_at(0), 2), "captured": self.captured, "context": self.context,
                 "minimum_vram_bytes": self.minimum_vram_bytes, "reason": self.reason, "kv_cache": self.kv_mode,
+                **({"longest_resident_context": self.longest_resident} if self.longest_resident is not None else {}),
                 **({"experts": {"count": self.experts, "expert_bytes": self.expert_bytes,
                                 "cache_bytes": self.expert_cache_bytes,
                                 "cached": self.expert_cache_bytes // self.expert_bytes}} if self.experts else {})}
@@ -152,8 +154,8 @@ def _costs(index: dict, spec, context: int, kv_mode: str | None = None, spare_sl
             tables["per_layer"] += int(record["nbytes"])
         elif name.endswith("embed_tokens.weight"):
             tables["token"] += int(record["nbytes"])
-            if spec.tied:
-                globals_["head"] += linear_bytes("int8" if scheme == "int8" else scheme, shape, None, cuda=True)
+            if spec.tied:  # the engine makes the head from the table's record (int4 tables through tinygemm)
+                globals_["head"] += linear_bytes(scheme, shape, record.get("group_size"), cuda=True)
         elif name.endswith(HEAD_NAME):
             globals_["head"] += linear_bytes(scheme, shape, record.get("group_size"), cuda=True)
         elif record.get("expert") is not None:
@@ -198,9 +200,13 @@ def _work_bytes(spec, context: int, kv_mode: str | None = None, spare_slots: int
     from gemmactl.runtime.engine.spec import SCORE_BYTES, score_rows
 
     heads = max((layer.heads for layer in spec.layers), default=0)
-    scores = min(CHUNK_TOKENS, score_rows(heads, context)) * heads * context * SCORE_BYTES
+    reads = _read_bytes(spec, context, kv_mode, spare_slots)
+    # A quantized cache is read a block of slots at a time, and its read's scores are one block's
+    # (counted in reads), never the whole context's: counting both kept 32 MiB too many for an E4B
+    # shape, about 7,700 tokens of its tq4 cache.
+    scores = 0 if reads else min(CHUNK_TOKENS, score_rows(heads, context)) * heads * context * SCORE_BYTES
     return (CHUNK_TOKENS * spec.hidden * 2 * 8 + CHUNK_TOKENS * 4 * spec.hidden * 2 * 3 * 2 + spec.vocab * 4 * 2
-            + scores + _read_bytes(spec, context, kv_mode, spare_slots))
+            + scores + reads)
 
 
 def _read_bytes(spec, context: int, kv_mode: str | None, spare_slots: int) -> int:
@@ -239,6 +245,36 @@ def longest_context(artifact: Path, profile, vram_bytes: int, kv_mode: str | Non
             plan_engine(artifact, profile, vram_bytes, middle, kv_mode, draft)
             low = middle
         except BudgetTooSmallError:
+            high = middle - step
+    return low
+
+
+def longest_resident_context(artifact: Path, profile, vram_bytes: int, kv_mode: str | None = None,
+                             step: int = 256, draft=None) -> int:
+    """The longest context (a multiple of step, up to the model's own) at which the engine's map
+    keeps every layer on the GPU: the longest it decodes without a layer crossing the link or
+    running on the CPU. Past it the engine still runs (longest_context), streaming layers for the
+    cache's room. 0 where not even step tokens keep every layer there."""
+    from gemmactl.formats.int4.reader import read_index
+    from gemmactl.runtime.engine.spec import hf_text_config
+
+    def all_resident(context: int) -> bool:
+        try:
+            chosen = plan_engine(artifact, profile, vram_bytes, context, kv_mode, draft)
+        except BudgetTooSmallError:
+            return False
+        return all(kind == "resident" for kind in chosen.layers)
+
+    config = read_index(Path(artifact)).get("config") or {}
+    top = max(step, int(hf_text_config(config).max_position_embeddings) // step * step)
+    if not all_resident(step):
+        return 0
+    low, high = step, top  # low keeps every layer resident; find the last context that does
+    while low < high:
+        middle = (low + high + step) // 2 // step * step
+        if all_resident(middle):
+            low = middle
+        else:
             high = middle - step
     return low
 

@@ -152,6 +152,10 @@ def build_plan(
             plan.budget = Budget(vram_bytes, ram_bytes)
         engine = (plan_engine_or_say_the_longest(path, profile, vram_bytes, context, kv_cache, need)
                   if profile.has_gpu else None)
+        if engine is not None and longest:
+            from gemmactl.plan.engine_map import longest_resident_context
+
+            engine.longest_resident = longest_resident_context(path, profile, vram_bytes, kv_cache, draft=need)
         if engine is not None and need is not None:
             from gemmactl.plan.auto import with_draft_cost
 
