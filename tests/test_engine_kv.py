@@ -334,15 +334,18 @@ def test_the_fused_read_of_a_quantized_cache_attends_as_the_torch_read(artifacts
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["gemma3-tiny", "shared-kv"])
 @pytest.mark.parametrize("mode", ["tq4", "int8"])
-def test_gpu_fused_read_attends_as_the_torch_read_and_is_captured(artifacts, kind, mode, monkeypatch):
+@pytest.mark.parametrize("compiled", ["off", "on"])
+def test_gpu_fused_read_attends_as_the_torch_read_and_is_captured(artifacts, kind, mode, compiled, monkeypatch):
     """On CUDA the engine reads a quantized cache with the fused kernel: at each read it matches the
     torch read of the same cache and queries (up to the kernel's bfloat16 products), and the
-    captured step gives the eager step's tokens."""
+    captured step gives the eager step's tokens, captured as it is and fused by torch.compile (the
+    step of a map with every layer resident; the compiled graph checks the op's output strides
+    against its fake's, which once failed there)."""
     from gemmactl.runtime.engine.graph import DecodeStep
     from gemmactl.runtime.engine.model import GemmaModel
 
     monkeypatch.setenv("GEMMACTL_ENGINE_KERNEL", "dense")
-    monkeypatch.setenv("GEMMACTL_ENGINE_COMPILE", "off")
+    monkeypatch.setenv("GEMMACTL_ENGINE_COMPILE", compiled)
     monkeypatch.delenv("GEMMACTL_KV_KERNEL", raising=False)
     engine = GemmaModel(artifacts(kind), device="cuda", dtype=torch.float32, context=64, kv_mode=mode)
     fused, errors = GemmaModel._scores_fused, []

@@ -95,7 +95,9 @@ def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.
     top = most.amax(1, keepdim=True)
     weight = torch.exp(most - top)  # shares with nothing seen weigh nothing
     out = (summed * weight[..., None]).sum(1) / (total * weight).sum(1)[..., None]
-    return out[:, :groups].reshape(t, kv_heads, groups, dim)
+    # Contiguous, as the fake output is: a compiled step checks the strides, and the slice of a
+    # padded group block (groups < 16) is a view with the block's.
+    return out[:, :groups].reshape(t, kv_heads, groups, dim).contiguous()
 
 
 @quantized_attention.register_fake
