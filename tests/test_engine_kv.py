@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gemmactl.runtime.engine.kv import TurboKVCache, make_cache
-from gemmactl.runtime.engine.kv_modes import ENGINE_MODES, compression, pair_bytes
+from gemmactl.runtime.engine.kv_modes import ENGINE_MODES, code_planes, compression, pair_bytes
 from test_engine import PROMPT, TOLERANCE, artifacts, engine_greedy, reference_greedy  # noqa: F401 (fixture)
 
 
@@ -52,6 +52,15 @@ def test_int8_errs_by_at_most_half_a_step_and_packing_is_lossless():
         codes = torch.randint(0, 1 << bits, (5, 3, 64), dtype=torch.uint8)
         packed = TurboKVCache._pack(codes, bits)
         assert packed.shape[-1] == 64 * bits // 8 and torch.equal(TurboKVCache._unpack(packed, bits), codes)
+        # As the fused read takes them: in 32-bit words, code d's main bits at bit d·W0 of the main
+        # plane, its high bits at bit d·W1 of the plane after it, never across a word.
+        words = packed.view(torch.int32).long() & 0xFFFFFFFF
+        main, high = code_planes(bits)
+        for d in (0, 7, 37, 63):
+            code = (words[..., d * main // 32] >> (d * main % 32)) & ((1 << main) - 1)
+            if high:
+                code |= ((words[..., 64 * main // 32 + d * high // 32] >> (d * high % 32)) & ((1 << high) - 1)) << main
+            assert torch.equal(code, codes[..., d].long()), (bits, d)
 
 
 def test_each_mode_stores_what_its_size_rule_says():
@@ -257,7 +266,8 @@ from gemmactl.runtime.engine.model import GemmaModel
 # grouped heads, several query rows at different positions, slots no multiple of a block (once)
 torch.manual_seed(0)
 for mode in ("int8", "tq4", "tq3") if sys.argv[2] == "alone" else ():
-    for slots, heads, groups, dim, rows, window in ((40, 2, 4, 32, 1, 0), (37, 1, 8, 64, 3, 16), (70, 2, 2, 32, 2, 0)):
+    for slots, heads, groups, dim, rows, window in ((40, 2, 4, 32, 1, 0), (37, 1, 8, 64, 3, 16), (70, 2, 2, 32, 2, 0),
+                                                     (45, 2, 4, 256, 2, 0)):  # fields wide enough for tl.dot
         cache = make_cache(mode, slots, heads, dim, False, torch.float32, "cpu")
         written = slots - 3
         cache.begin(torch.randn(slots, heads, dim) + 0.5, torch.randn(slots, heads, dim))

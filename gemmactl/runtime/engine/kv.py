@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from gemmactl.runtime.engine.kv_modes import DEFAULT_MODE, ENGINE_MODES, TURBO_BITS, read_block_slots
+from gemmactl.runtime.engine.kv_modes import DEFAULT_MODE, ENGINE_MODES, TURBO_BITS, code_planes, read_block_slots
 
 # Tokens of a sequence's first chunk (after its first) that set the quantized caches' centres:
 # the whole of the engine's first prefill chunk. On Gemma 3 270M (512-token window, tq4) a centre
@@ -236,11 +236,11 @@ class TurboKVCache(CenteredKVCache):
     """TurboQuant-style: vectors turned by a random rotation, each coordinate quantized to the
     Lloyd-Max levels of a Gaussian, scaled by the turned vector's RMS (fp16). Keys and values may
     take different bits (kv_modes.TURBO_BITS: keys one bit more, values one less, since a key's
-    error moves every score). Codes are packed: two to a byte (4 bits), else eight to `bits` bytes."""
+    error moves every score). Codes are packed in planes of whole fields (_pack)."""
 
     def __init__(self, slots, kv_heads, head_dim, ring, dtype, device, *, bits, seed: int = 0, mode: str = ""):
-        if head_dim % 8:
-            raise ValueError(f"{mode or 'a turbo cache'} needs a head dim divisible by 8, not {head_dim}")
+        if head_dim % 32:  # whole 32-bit words in every plane (_pack)
+            raise ValueError(f"{mode or 'a turbo cache'} needs a head dim divisible by 32, not {head_dim}")
         key_bits, value_bits = (bits, bits) if isinstance(bits, int) else bits
         self.bits = {"k": key_bits, "v": value_bits}
         self.mode = mode or f"tq{key_bits}"
@@ -280,20 +280,32 @@ class TurboKVCache(CenteredKVCache):
 
     @staticmethod
     def _pack(codes, bits: int):
-        if bits == 4:
-            return codes[..., 0::2] | (codes[..., 1::2] << 4)
-        eights = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 8, 8).to(torch.int64)  # [..., D/8, 8]
-        word = (eights << torch.arange(0, 8 * bits, bits, device=codes.device, dtype=torch.int64)).sum(-1)  # 8·bits bits
-        return torch.stack([(word >> s) & 0xFF for s in range(0, 8 * bits, 8)], -1).to(torch.uint8).flatten(-2)
+        """Codes [..., D] (uint8, below 2**bits) → bytes [..., D·bits/8] in planes (kv_modes.code_planes):
+        the main plane's W0 low bits of every code, then the second plane's W1 high bits, each a
+        little-endian stream of fields (code d's bits at bit d·w of its plane), so no code straddles
+        a 32-bit word and the fused read takes a word's fields with shifts (kv_attention_kernel.py)."""
+        parts, shift = [], 0
+        for width in (w for w in code_planes(bits) if w):
+            part = ((codes >> shift) & ((1 << width) - 1)).to(torch.int32)
+            fields = part.reshape(*part.shape[:-1], part.shape[-1] * width // 8, 8 // width)  # [..., bytes, per byte]
+            shifts = torch.arange(0, 8, width, device=codes.device, dtype=torch.int32)
+            parts.append((fields << shifts).sum(-1).to(torch.uint8))
+            shift += width
+        return torch.cat(parts, -1)
 
     @staticmethod
     def _unpack(packed, bits: int):
-        if bits == 4:
-            return torch.stack((packed & 0x0F, packed >> 4), -1).flatten(-2)
-        groups = packed.reshape(*packed.shape[:-1], packed.shape[-1] // bits, bits).to(torch.int64)  # [..., D/8, bits]
-        word = (groups << torch.arange(0, 8 * bits, 8, device=packed.device, dtype=torch.int64)).sum(-1)
-        shifts = torch.arange(0, 8 * bits, bits, device=packed.device, dtype=torch.int64)
-        return ((word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
+        """_pack undone: bytes [..., D·bits/8] → codes [..., D] (uint8)."""
+        dim = packed.shape[-1] * 8 // bits
+        codes, shift, start = None, 0, 0
+        for width in (w for w in code_planes(bits) if w):
+            size = dim * width // 8
+            plane = packed[..., start:start + size].to(torch.int32)
+            shifts = torch.arange(0, 8, width, device=packed.device, dtype=torch.int32)
+            part = ((plane.unsqueeze(-1) >> shifts) & ((1 << width) - 1)).flatten(-2) << shift
+            codes = part if codes is None else codes | part
+            shift, start = shift + width, start + size
+        return codes.to(torch.uint8)
 
 
 def make_cache(mode: str | None, slots: int, kv_heads: int, head_dim: int, ring: bool, dtype, device,

@@ -27,18 +27,19 @@ import torch
 
 from gemmactl.runtime.engine.gemv_common import available, dot_dtype
 from gemmactl.runtime.engine.gemv_common import sms as _sms
+from gemmactl.runtime.engine.kv_modes import FUSED_ROWS_MAX, code_planes
 
 ENV = "GEMMACTL_KV_KERNEL"  # auto (on for CUDA with Triton) | off (the torch read) | on (also Triton's CPU interpreter)
-BLOCK_SLOTS = 16  # slots a program decodes at a time (tl.dot needs 16 at least)
-ROWS_MAX = 16  # query rows (tokens) a call takes: a decode step, a verify step; prefill reads by blocks
-PROGRAMS_PER_SM = 2  # shares of the slots: enough programs to fill the GPU at one query row
+BLOCK_SLOTS = 32  # slots a program decodes at a time (tl.dot needs 16 at least)
+ROWS_MAX = FUSED_ROWS_MAX  # query rows (tokens) a call takes: a decode step, a verify step; prefill reads by blocks
+PROGRAMS_PER_SM = 8  # the values' programs: enough to keep each multiprocessor's loads in flight
 
 
 def usable(device, rows: int, head_dim: int) -> bool:
     """Whether the fused read takes rows query rows of head_dim on device: CUDA with Triton (unless
     ENV is off), or Triton's CPU interpreter when ENV is on (the tests' way to run it)."""
     setting = os.environ.get(ENV, "auto")
-    if setting == "off" or rows > ROWS_MAX or head_dim & (head_dim - 1):
+    if setting == "off" or rows > ROWS_MAX or head_dim & (head_dim - 1) or head_dim % 32:
         return False
     if torch.device(device).type == "cuda":
         return available(device)
@@ -55,18 +56,24 @@ def usable(device, rows: int, head_dim: int) -> bool:
 def _kernel():
     import triton
 
-    from gemmactl.runtime.engine.kv_attention_kernel import quantized_attention as kernel
+    from gemmactl.runtime.engine import kv_attention_kernel as kernels
 
-    return triton, kernel, dot_dtype()
+    return triton, kernels, dot_dtype()
 
 
-def shares_for(slots: int, rows: int, device: torch.device) -> tuple[int, int]:
-    """(shares, slots per share) for rows · kv_heads programs over slots: enough shares that the
+def shares_for(slots: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """(shares, slots per share) for `programs` programs a share over slots: enough shares that the
     GPU's multiprocessors each get PROGRAMS_PER_SM programs, a whole number of blocks each."""
     blocks = -(-slots // BLOCK_SLOTS)
-    shares = max(1, min(blocks, -(-PROGRAMS_PER_SM * _sms(device) // max(rows, 1))))
+    shares = max(1, min(blocks, -(-PROGRAMS_PER_SM * _sms(device) // max(programs, 1))))
     per = -(-blocks // shares) * BLOCK_SLOTS
     return -(-slots // per), per
+
+
+def _warps(dim: int, main_bits: int) -> int:
+    """Warps a program: 8 where a field is 128 coordinates or wider (int8 at 512: four fields'
+    accumulators and tiles spilled registers at 4 warps, compiled for sm_90), else 4."""
+    return 8 if dim * main_bits // 32 >= 128 else 4
 
 
 @torch.library.custom_op("gemmactl::quantized_attention", mutates_args=())
@@ -79,25 +86,29 @@ def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.
     scales [S, K] (fp16), levels [2**bits] (float32), key_positions [S] (-1: unwritten). A key is
     seen when written, at or before the row's position, and within window (0: no window).
     Returns [T, K, g, D] in float32."""
-    triton, kernel, dot = _kernel()
+    triton, kernels, dot = _kernel()
     t, kv_heads, groups, dim = q.shape
     slots = k_codes.shape[0]
-    shares, per = shares_for(slots, t * kv_heads, q.device)
     group_block = max(16, triton.next_power_of_2(groups))
-    most = torch.empty((t * kv_heads, shares, group_block), dtype=torch.float32, device=q.device)
-    total = torch.empty_like(most)
-    summed = torch.empty((t * kv_heads, shares, group_block, dim), dtype=torch.float32, device=q.device)
-    kernel[(t * kv_heads, shares)](q.contiguous(), k_codes, k_scales, k_levels, v_codes, v_scales, v_levels,
-                                   key_positions, positions, most, total, summed, slots, kv_heads, groups,
-                                   k_codes.shape[-1], v_codes.shape[-1], per, shares, query_scale, window,
-                                   D=dim, K_BITS=k_bits, V_BITS=v_bits, GROUPS=group_block, BLOCK=BLOCK_SLOTS, DOT=dot,
-                                   num_warps=4)
-    top = most.amax(1, keepdim=True)
-    weight = torch.exp(most - top)  # shares with nothing seen weigh nothing
-    out = (summed * weight[..., None]).sum(1) / (total * weight).sum(1)[..., None]
-    # Contiguous, as the fake output is: a compiled step checks the strides, and the slice of a
-    # padded group block (groups < 16) is a view with the block's.
-    return out[:, :groups].reshape(t, kv_heads, groups, dim).contiguous()
+    q = q.contiguous()
+    (k0, k1), (v0, v1) = code_planes(k_bits), code_planes(v_bits)
+    scores = torch.empty((t * kv_heads, groups, slots), dtype=torch.float32, device=q.device)
+    kernels.key_scores[(t * kv_heads, triton.cdiv(slots, BLOCK_SLOTS))](
+        q, k_codes.view(torch.int32), k_scales, k_levels, key_positions, positions, scores, slots, kv_heads, groups,
+        k_codes.shape[-1] // 4, query_scale, window, D=dim, W0=k0, W1=k1, GROUPS=group_block, BLOCK=BLOCK_SLOTS,
+        DOT=dot, num_warps=_warps(dim, k0))
+    # The softmax over a few rows' scores (16 bytes a slot and KV head for Gemma 4's 4 query heads a
+    # KV head, against 516 of a tq4 key and value of 512 coordinates): in place, normalized, so the
+    # values' shares only add up.
+    scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+    scores.div_(scores.sum(-1, keepdim=True))
+    quads = 32 // v0 // 4  # weighted_values takes four fields of coordinates a program
+    shares, per = shares_for(slots, t * kv_heads * quads, q.device)
+    parts = torch.empty((t * kv_heads, shares, groups, dim), dtype=torch.float32, device=q.device)
+    kernels.weighted_values[(t * kv_heads, shares, quads)](
+        scores, v_codes.view(torch.int32), v_scales, v_levels, parts, slots, kv_heads, groups, v_codes.shape[-1] // 4,
+        per, shares, D=dim, W0=v0, W1=v1, GROUPS=group_block, BLOCK=BLOCK_SLOTS, DOT=dot, num_warps=_warps(dim, v0))
+    return parts.sum(1).reshape(t, kv_heads, groups, dim)
 
 
 @quantized_attention.register_fake

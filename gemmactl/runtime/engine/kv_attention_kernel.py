@@ -1,68 +1,118 @@
-"""The Triton kernel of kv_attention.py (imported only where Triton is: it ships with torch's CUDA
-wheels). See kv_attention.py for what it computes and why."""
+"""The Triton kernels of kv_attention.py (imported only where Triton is: it ships with torch's CUDA
+wheels). See kv_attention.py for what they compute, and kv.py for the layout of the codes."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _decode(codes_ptr, scales_ptr, levels_ptr, slots, ok, head, kv_heads, row_bytes,
-            D: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
-    """[BLOCK, D] keys or values of these slots and head, in DOT (bfloat16, as the torch read gives them)."""
-    d = tl.arange(0, D)
-    bit = (d % 8) * BITS  # eight codes to BITS bytes: code i of a group starts at bit i·BITS
-    first = (d // 8) * BITS + bit // 8
-    shift = bit % 8
-    base = codes_ptr + (slots[:, None] * kv_heads + head) * row_bytes
-    low = tl.load(base + first[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    if BITS == 8 or BITS == 4 or BITS == 2:  # never straddles a byte
-        code = (low >> shift[None, :]) & ((1 << BITS) - 1)
-    else:
-        spill = (shift + BITS > 8)[None, :] & ok[:, None]
-        high = tl.load(base + first[None, :] + 1, mask=spill, other=0).to(tl.int32)
-        code = ((low | (high << 8)) >> shift[None, :]) & ((1 << BITS) - 1)
-    level = tl.load(levels_ptr + code)  # [BLOCK, D] float32
-    scale = tl.load(scales_ptr + slots * kv_heads + head, mask=ok, other=0.0).to(tl.float32)
-    return (level * scale[:, None]).to(DOT)
+def _plane(words_ptr, slots, ok, head, kv_heads, row_words, j, OFFSET: tl.constexpr, R: tl.constexpr):
+    """[BLOCK, C] 32-bit words of one plane of these slots' codes: column j's (the plane's word j // R)."""
+    base = words_ptr + (slots[:, None] * kv_heads + head) * row_words + OFFSET
+    return tl.load(base + (j // R)[None, :], mask=ok[:, None], other=0)
+
 
 @triton.jit
-def quantized_attention(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, kpos_ptr, pos_ptr,
-                        m_ptr, l_ptr, acc_ptr, S, kv_heads, groups, k_row_bytes, v_row_bytes,
-                        per_share, shares, query_scale, window,
-                        D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                        GROUPS: tl.constexpr, BLOCK: tl.constexpr, DOT: tl.constexpr):
+def _field(main, low, j, f, W0: tl.constexpr, W1: tl.constexpr):
+    """[BLOCK, C] codes of field f: coordinate (32 / W0)·j + f of each slot, its W0 bits from the
+    main plane's word j and (W1 > 0) W1 more from the second plane's."""
+    code = (main >> (f * W0)) & ((1 << W0) - 1)
+    if W1 > 0:
+        R: tl.constexpr = W0 // W1
+        shift = (j % R) * (32 // R) + f * W1
+        code = code | (((low >> shift[None, :]) & ((1 << W1) - 1)) << W0)
+    return code
+
+
+@triton.jit
+def key_scores(q_ptr, kw_ptr, ks_ptr, kl_ptr, kpos_ptr, pos_ptr, s_ptr, S, kv_heads, groups, row_words,
+               query_scale, window,
+               D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+               DOT: tl.constexpr):
+    """Scores [T·K, groups, S] (float32) of one query row's heads of one KV head against a block of
+    slots: the keys' words read once, each field's levels looked up and multiplied with the
+    query's coordinates of that field, then scaled by each key's scale; unseen slots at -3e38."""
+    F: tl.constexpr = 32 // W0
+    C: tl.constexpr = D // F
     row_head = tl.program_id(0)  # t · kv_heads + head
-    share = tl.program_id(1)
+    block = tl.program_id(1)
     t = row_head // kv_heads
     head = row_head % kv_heads
+    slots = block * BLOCK + tl.arange(0, BLOCK)
+    ok = slots < S
     g = tl.arange(0, GROUPS)
-    d = tl.arange(0, D)
     g_ok = g < groups
-    q = tl.load(q_ptr + ((row_head * groups + g[:, None]) * D + d[None, :]), mask=g_ok[:, None],
-                other=0.0).to(DOT)  # [G, D]
+    j = tl.arange(0, C)
+    main = _plane(kw_ptr, slots, ok, head, kv_heads, row_words, j, 0, 1)
+    low = main
+    if W1 > 0:
+        low = _plane(kw_ptr, slots, ok, head, kv_heads, row_words, j, D * W0 // 32, W0 // W1)
+    acc = tl.zeros((GROUPS, BLOCK), dtype=tl.float32)
+    for f in tl.static_range(F):
+        k = tl.load(kl_ptr + _field(main, low, j, f, W0, W1))  # [BLOCK, C] float32
+        q = tl.load(q_ptr + (row_head * groups + g[:, None]) * D + (F * j + f)[None, :], mask=g_ok[:, None],
+                    other=0.0)
+        if C >= 16:
+            acc += tl.dot(q.to(DOT), tl.trans(k.to(DOT)))
+        else:  # too narrow for tl.dot (small test models)
+            acc += tl.sum(q.to(tl.float32)[:, None, :] * k[None, :, :], axis=2)
+    scale = tl.load(ks_ptr + slots * kv_heads + head, mask=ok, other=0.0).to(tl.float32)
     position = tl.load(pos_ptr + t)
-    most = tl.full((GROUPS,), -3.0e38, dtype=tl.float32)
-    total = tl.zeros((GROUPS,), dtype=tl.float32)
-    summed = tl.zeros((GROUPS, D), dtype=tl.float32)
+    kpos = tl.load(kpos_ptr + slots, mask=ok, other=-1)
+    seen = ok & (kpos >= 0) & (kpos <= position)
+    if window > 0:
+        seen = seen & (kpos > position - window)
+    scores = tl.where(seen[None, :], acc * scale[None, :] * query_scale, -3.0e38)
+    tl.store(s_ptr + (row_head * groups + g[:, None]) * S + slots[None, :], scores, mask=g_ok[:, None] & ok[None, :])
+
+
+@triton.jit
+def _weigh(acc, w, v, C: tl.constexpr, DOT: tl.constexpr):
+    """acc [G, C] + w [G, BLOCK] · v [BLOCK, C]."""
+    if C >= 16:
+        return acc + tl.dot(w.to(DOT), v.to(DOT))
+    return acc + tl.sum(w[:, :, None] * v[None, :, :], axis=1)  # too narrow for tl.dot (small test models)
+
+
+@triton.jit
+def weighted_values(w_ptr, vw_ptr, vs_ptr, vl_ptr, out_ptr, S, kv_heads, groups, row_words, per_share, shares,
+                    D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+                    DOT: tl.constexpr):
+    """One share of the slots' values, weighted, for four fields of coordinates: [T·K, shares,
+    groups, D] (float32), a program to a query row and KV head, a share of the slots and four
+    fields (every mode has at least four: 32 / W0), which share each block's weights and words.
+    The weights (the softmax, normalized) come from key_scores; each value's scale is folded into
+    its weight."""
+    F: tl.constexpr = 32 // W0
+    C: tl.constexpr = D // F
+    row_head = tl.program_id(0)
+    share = tl.program_id(1)
+    f = tl.program_id(2) * 4
+    head = row_head % kv_heads
+    g = tl.arange(0, GROUPS)
+    g_ok = g < groups
+    j = tl.arange(0, C)
+    acc0 = tl.zeros((GROUPS, C), dtype=tl.float32)
+    acc1 = tl.zeros((GROUPS, C), dtype=tl.float32)
+    acc2 = tl.zeros((GROUPS, C), dtype=tl.float32)
+    acc3 = tl.zeros((GROUPS, C), dtype=tl.float32)
     start = share * per_share
     for offset in range(0, per_share, BLOCK):
         slots = start + offset + tl.arange(0, BLOCK)
         ok = slots < S
-        kpos = tl.load(kpos_ptr + slots, mask=ok, other=-1)
-        seen = ok & (kpos >= 0) & (kpos <= position)
-        if window > 0:
-            seen = seen & (kpos > position - window)
-        k = _decode(kc_ptr, ks_ptr, kl_ptr, slots, ok, head, kv_heads, k_row_bytes, D, K_BITS, DOT)
-        scores = tl.dot(q, tl.trans(k)) * query_scale  # [G, BLOCK] float32
-        scores = tl.where(seen[None, :], scores, -3.0e38)
-        new_most = tl.maximum(most, tl.max(scores, axis=1))
-        weights = tl.exp(scores - new_most[:, None])
-        kept = tl.exp(most - new_most)
-        total = total * kept + tl.sum(weights, axis=1)
-        v = _decode(vc_ptr, vs_ptr, vl_ptr, slots, ok, head, kv_heads, v_row_bytes, D, V_BITS, DOT)
-        summed = summed * kept[:, None] + tl.dot(weights.to(DOT), v)
-        most = new_most
-    out = (row_head * shares + share) * GROUPS + g
-    tl.store(m_ptr + out, most)
-    tl.store(l_ptr + out, total)
-    tl.store(acc_ptr + out[:, None] * D + d[None, :], summed)
+        w = tl.load(w_ptr + (row_head * groups + g[:, None]) * S + slots[None, :], mask=g_ok[:, None] & ok[None, :],
+                    other=0.0)
+        w = w * tl.load(vs_ptr + slots * kv_heads + head, mask=ok, other=0.0).to(tl.float32)[None, :]
+        main = _plane(vw_ptr, slots, ok, head, kv_heads, row_words, j, 0, 1)
+        low = main
+        if W1 > 0:
+            low = _plane(vw_ptr, slots, ok, head, kv_heads, row_words, j, D * W0 // 32, W0 // W1)
+        acc0 = _weigh(acc0, w, tl.load(vl_ptr + _field(main, low, j, f, W0, W1)), C, DOT)
+        acc1 = _weigh(acc1, w, tl.load(vl_ptr + _field(main, low, j, f + 1, W0, W1)), C, DOT)
+        acc2 = _weigh(acc2, w, tl.load(vl_ptr + _field(main, low, j, f + 2, W0, W1)), C, DOT)
+        acc3 = _weigh(acc3, w, tl.load(vl_ptr + _field(main, low, j, f + 3, W0, W1)), C, DOT)
+    out = out_ptr + ((row_head * shares + share) * groups + g[:, None]) * D + (F * j + f)[None, :]
+    tl.store(out, acc0, mask=g_ok[:, None])
+    tl.store(out + 1, acc1, mask=g_ok[:, None])
+    tl.store(out + 2, acc2, mask=g_ok[:, None])
+    tl.store(out + 3, acc3, mask=g_ok[:, None])
