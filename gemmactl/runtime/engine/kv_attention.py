@@ -35,11 +35,19 @@ ROWS_MAX = FUSED_ROWS_MAX  # query rows (tokens) a call takes: a decode step, a 
 PROGRAMS_PER_SM = 8  # the values' programs: enough to keep each multiprocessor's loads in flight
 
 
-def usable(device, rows: int, head_dim: int) -> bool:
-    """Whether the fused read takes rows query rows of head_dim on device: CUDA with Triton (unless
-    ENV is off), or Triton's CPU interpreter when ENV is on (the tests' way to run it)."""
+MIN_SLOTS_ENV = "GEMMACTL_KV_KERNEL_MIN_SLOTS"  # caches shorter than this are read by torch (default 0: none)
+
+
+def usable(device, rows: int, head_dim: int, slots: int | None = None) -> bool:
+    """Whether the fused read takes rows query rows of head_dim (over slots slots) on device: CUDA
+    with Triton (unless ENV is off), or Triton's CPU interpreter when ENV is on (the tests' way to
+    run it). MIN_SLOTS_ENV leaves short caches (a sliding layer's window) to the torch read, which
+    a fused step compiles with its neighbours, where the kernel's several launches cost more than
+    the read; to measure (not yet measured)."""
     setting = os.environ.get(ENV, "auto")
     if setting == "off" or rows > ROWS_MAX or head_dim & (head_dim - 1) or head_dim % 32:
+        return False
+    if slots is not None and slots < int(os.environ.get(MIN_SLOTS_ENV, "0")):
         return False
     if torch.device(device).type == "cuda":
         return available(device)
