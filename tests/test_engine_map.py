@@ -361,6 +361,7 @@ def test_the_kv_mode_sizes_the_caches_and_context_max_finds_the_longest(artifact
 
     monkeypatch.setattr(spec_module, "SCORES_BLOCK_BYTES", 256 << 10)
     monkeypatch.setattr(kv_modes, "READ_BLOCK_BYTES", 16 << 10)
+    monkeypatch.setattr(kv_modes, "FUSED_ROWS_MAX", 1)  # the fused read's scores, every slot's, for one row
     monkeypatch.setattr(engine_map, "CHUNK_TOKENS", 16)
     _, spec = _index_and_spec(artifact)
     reads = {n: _read_bytes(spec, n, "tq4", 0) for n in (16, 4096)}
@@ -401,6 +402,7 @@ def test_context_max_also_names_the_longest_context_keeping_every_layer_on_the_g
 
     monkeypatch.setattr(spec_module, "SCORES_BLOCK_BYTES", 256 << 10)
     monkeypatch.setattr(kv_modes, "READ_BLOCK_BYTES", 16 << 10)
+    monkeypatch.setattr(kv_modes, "FUSED_ROWS_MAX", 1)  # the fused read's scores, every slot's, for one row
     monkeypatch.setattr(engine_map, "CHUNK_TOKENS", 16)
 
     def resident(context: int, mode: str, budget: int) -> bool:
