@@ -1,21 +1,32 @@
-"""Attention of a few query rows over a quantized KV cache, reading the codes inside a Triton kernel.
+"""Attention of a few query rows over a quantized KV cache, reading the codes inside Triton kernels.
 
 A decode step over a quantized cache (kv.py: int8, tq4, tq3) used to decode a block of slots into
 bfloat16 keys and values with torch operations, then score them: about ten kernels and 24 bytes of
 temporaries per cached element, so at 32K slots tq4 decoded slower than the bfloat16 cache it
-shrinks (0.67x on an E4B shape, docs/benchmarks.md). This kernel reads each packed code once: a
-program owns one query row and one KV head (all of that head's query heads) and a share of the
-slots, unpacks each coordinate's code from the bytes it straddles, looks its level up, scales it
-by the vector's scale, and folds the block into a running softmax (split over the slots as in
-flash-decoding; the shares are merged after, in float32). Nothing the size of the cache is ever
-made. Triton is the well-kept route (it ships with torch's CUDA wheels); the kernel is a torch
-custom op, so torch.compile keeps it whole in the fused step and the CUDA graph replays it.
+shrinks (0.67x on an E4B shape, docs/benchmarks.md). Here the codes are read in place, in two
+kernels (kv_attention_kernel.py):
 
-Every mode is one layout to the kernel: codes of `bits` bits, eight to `bits` bytes (kv.py packs
-them so; two to a byte at 4 bits is the same order), a level table indexed by the code, and an
-fp16 scale per vector. int8 is bits 8 with the table of the signed byte values. The queries come
-in turned by the cache's rotation and the output leaves in that space: the caller adds the
-values' centre and turns it back (model.py, as for the torch read).
+- key_scores: a program to a query row, a KV head and a block of slots reads the keys' 32-bit
+  words once, takes each field of coordinates from them by shifts (kv.py stores codes in planes of
+  whole fields, so none straddles a word), looks the levels up and multiplies them with the
+  query's coordinates of that field; the scores are scaled by each key's scale and masked;
+- the softmax over those few rows' scores, in torch (16 bytes a slot for Gemma 4's four query
+  heads a KV head, against 516 of a tq4 key and value at 512 coordinates);
+- weighted_values: a program to a query row, a KV head, a share of the slots and four fields of
+  coordinates adds up the values weighted (each value's scale folded into its weight); the shares
+  are summed after.
+
+Nothing the size of the cache is made but the scores. An earlier single kernel (a running softmax,
+codes unpacked from the bytes they straddle) took about 60 instructions a coordinate and spilled
+registers; this one takes about 17, and read 1.7-2.8x faster on an H100 (docs/benchmarks.md).
+Triton is the well-kept route (it ships with torch's CUDA wheels); the read is a torch custom op,
+so torch.compile keeps it whole in the fused step and the CUDA graph replays it.
+
+Every mode is one layout to the kernels: codes of `bits` bits in planes (kv_modes.code_planes), a
+level table indexed by the code, and an fp16 scale per vector. int8 is one 8-bit plane with the
+table of the signed byte values. The queries come in turned by the cache's rotation and the output
+leaves in that space: the caller adds the values' centre and turns it back (model.py, as for the
+torch read).
 """
 
 from __future__ import annotations
