@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from gemmactl.runtime.engine.gemv_common import dot_torch_dtype
 from gemmactl.runtime.engine.kv_modes import DEFAULT_MODE, ENGINE_MODES, TURBO_BITS, code_planes, read_block_slots
 
 # Tokens of a sequence's first chunk (after its first) that set the quantized caches' centres:
@@ -162,7 +163,8 @@ class CenteredKVCache(KVCache):
 
     def fused_parts(self, held: int) -> dict:
         """The first held slots as the fused read takes them (kv_attention.py): per name, codes
-        [held, K, D·bits/8] as bytes, scales [held, K] and the level table codes index; and the bits."""
+        [held, K, D·bits/8] as bytes, scales [held, K] and the level table codes index (in the dtype
+        the read multiplies); and the bits."""
         return {**{name: (self.codes[name][:held].view(torch.uint8), self.scales[name][:held], self._table(name))
                    for name in "kv"}, "k_bits": self._bits("k"), "v_bits": self._bits("v")}
 
@@ -191,7 +193,8 @@ class Int8KVCache(CenteredKVCache):
     def _allocate(self, device) -> None:
         super()._allocate(device)
         byte = torch.arange(256, dtype=torch.float32, device=device)
-        self._signed = torch.where(byte >= 128, byte - 256, byte)  # each byte's signed value, read unsigned
+        # each byte's signed value, read unsigned, in the dtype the fused read multiplies (exact)
+        self._signed = torch.where(byte >= 128, byte - 256, byte).to(dot_torch_dtype())
 
     def _bits(self, name):
         return 8
@@ -249,6 +252,8 @@ class TurboKVCache(CenteredKVCache):
             levels, edges = gaussian_levels(b)
             self.levels[name] = torch.tensor(levels, dtype=torch.float32, device=device)
             self.edges[name] = torch.tensor(edges, dtype=torch.float32, device=device)
+        # The levels as the fused read looks them up: in the dtype it multiplies (kv_attention.py).
+        self.tables = {name: levels.to(dot_torch_dtype()) for name, levels in self.levels.items()}
         self.rotation_f32 = hadamard_rotation(head_dim, seed).to(device)
         self.rotation = self.rotation_f32.to(dtype)
         super().__init__(slots, kv_heads, head_dim, ring, dtype, device)
@@ -276,7 +281,7 @@ class TurboKVCache(CenteredKVCache):
         return self.bits[name]
 
     def _table(self, name):
-        return self.levels[name]
+        return self.tables[name]
 
     @staticmethod
     def _pack(codes, bits: int):

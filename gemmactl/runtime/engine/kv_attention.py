@@ -6,21 +6,25 @@ temporaries per cached element, so at 32K slots tq4 decoded slower than the bflo
 shrinks (0.67x on an E4B shape, docs/benchmarks.md). Here the codes are read in place, in two
 kernels (kv_attention_kernel.py):
 
-- key_scores: a program to a query row, a KV head and a block of slots reads the keys' 32-bit
-  words once, takes each field of coordinates from them by shifts (kv.py stores codes in planes of
-  whole fields, so none straddles a word), looks the levels up and multiplies them with the
-  query's coordinates of that field; the scores are scaled by each key's scale and masked;
+- key_scores: a program to a query row, a KV head and a block of slots takes the keys' 32-bit
+  words a chunk of coordinates at a time, takes the codes from them by shifts (kv.py stores codes
+  in planes of whole fields, so none straddles a word), looks their levels up (a table in the
+  dot's dtype) and multiplies them with the query's chunk; the scores are scaled by each key's
+  scale and masked;
 - the softmax over those few rows' scores, in torch (16 bytes a slot for Gemma 4's four query
   heads a KV head, against 516 of a tq4 key and value at 512 coordinates);
-- weighted_values: a program to a query row, a KV head, a share of the slots and four fields of
-  coordinates adds up the values weighted (each value's scale folded into its weight); the shares
-  are summed after.
+- weighted_values: a program to a query row, a KV head, a share of the slots and a chunk of
+  coordinates reads only that chunk's words and adds up the values weighted (each value's scale
+  folded into its weight); the shares are summed after.
 
-Nothing the size of the cache is made but the scores. An earlier single kernel (a running softmax,
-codes unpacked from the bytes they straddle) took about 60 instructions a coordinate and spilled
-registers; this one takes about 17, and read 1.7-2.8x faster on an H100 (docs/benchmarks.md).
-Triton is the well-kept route (it ships with torch's CUDA wheels); the read is a torch custom op,
-so torch.compile keeps it whole in the fused step and the CUDA graph replays it.
+Nothing the size of the cache is made but the scores. Only the two kernels' launches are opaque
+torch custom ops: in the fused step torch.compile joins the softmax and the sum of the shares to
+the operations around them, and the CUDA graph replays it all. Triton is the well-kept route (it
+ships with torch's CUDA wheels). Earlier reads, measured on an H100 (docs/benchmarks.md): one
+kernel with a running softmax over codes that straddle bytes (about 60 instructions a coordinate,
+registers spilled); then the planes, with the values' programs taking four interleaved fields
+each and reading every word of a block (4x the values' words). Compiled for sm_90 these kernels
+take about 14-19 instructions a coordinate, most of them the level table's lookup.
 
 Every mode is one layout to the kernels: codes of `bits` bits in planes (kv_modes.code_planes), a
 level table indexed by the code, and an fp16 scale per vector. int8 is one 8-bit plane with the
@@ -41,9 +45,14 @@ from gemmactl.runtime.engine.gemv_common import sms as _sms
 from gemmactl.runtime.engine.kv_modes import FUSED_ROWS_MAX, code_planes
 
 ENV = "GEMMACTL_KV_KERNEL"  # auto (on for CUDA with Triton) | off (the torch read) | on (also Triton's CPU interpreter)
-BLOCK_SLOTS = 32  # slots a program decodes at a time (tl.dot needs 16 at least)
 ROWS_MAX = FUSED_ROWS_MAX  # query rows (tokens) a call takes: a decode step, a verify step; prefill reads by blocks
-PROGRAMS_PER_SM = 8  # the values' programs: enough to keep each multiprocessor's loads in flight
+# Tiles (slots x coordinates) of the two kernels: the key scores' programs take a block of slots and
+# every coordinate a chunk at a time; the values' programs a share of the slots and one chunk of
+# coordinates. tl.dot needs 16 at least each way. Chosen by what compiles for sm_90 without spilling
+# at 4 warps (about 14-19 instructions a coordinate, most of them the level table's lookup).
+SCORE_BLOCK, SCORE_CHUNK = 32, 128
+VALUE_BLOCK, VALUE_CHUNK = 64, 128
+PROGRAMS_PER_SM = 4  # the values' programs: enough to keep each multiprocessor's loads in flight
 
 
 MIN_SLOTS_ENV = "GEMMACTL_KV_KERNEL_MIN_SLOTS"  # caches shorter than this are read by torch (default 0: none)
@@ -83,19 +92,68 @@ def _kernel():
 def shares_for(slots: int, programs: int, device: torch.device) -> tuple[int, int]:
     """(shares, slots per share) for `programs` programs a share over slots: enough shares that the
     GPU's multiprocessors each get PROGRAMS_PER_SM programs, a whole number of blocks each."""
-    blocks = -(-slots // BLOCK_SLOTS)
+    blocks = -(-slots // VALUE_BLOCK)
     shares = max(1, min(blocks, -(-PROGRAMS_PER_SM * _sms(device) // max(programs, 1))))
-    per = -(-blocks // shares) * BLOCK_SLOTS
+    per = -(-blocks // shares) * VALUE_BLOCK
     return -(-slots // per), per
 
 
-def _warps(dim: int, main_bits: int) -> int:
-    """Warps a program: 8 where a field is 128 coordinates or wider (int8 at 512: four fields'
-    accumulators and tiles spilled registers at 4 warps, compiled for sm_90), else 4."""
-    return 8 if dim * main_bits // 32 >= 128 else 4
+def _group_block(groups: int) -> int:
+    """Query heads a program holds: the groups padded to a power of two, 16 at least (tl.dot)."""
+    return max(16, 1 << (groups - 1).bit_length())
 
 
-@torch.library.custom_op("gemmactl::quantized_attention", mutates_args=())
+# Only the kernels' launches are opaque ops: a compiled step fuses the softmax between them and the
+# sum of the shares after with the operations around them, rather than launching each alone.
+@torch.library.custom_op("gemmactl::quantized_key_scores", mutates_args=())
+def quantized_key_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, k_levels: torch.Tensor,
+                         key_positions: torch.Tensor, positions: torch.Tensor, k_bits: int, query_scale: float,
+                         window: int) -> torch.Tensor:
+    """Scores [T·K, g, S] (float32) of query rows q [T, K, g, D], unseen slots at -3e38."""
+    triton, kernels, dot = _kernel()
+    t, kv_heads, groups, dim = q.shape
+    slots = k_codes.shape[0]
+    k0, k1 = code_planes(k_bits)
+    scores = torch.empty((t * kv_heads, groups, slots), dtype=torch.float32, device=q.device)
+    kernels.key_scores[(t * kv_heads, triton.cdiv(slots, SCORE_BLOCK))](
+        q.contiguous(), k_codes.view(torch.int32), k_scales, k_levels, key_positions, positions, scores, slots,
+        kv_heads, groups, k_codes.shape[-1] // 4, query_scale, window, D=dim, W0=k0, W1=k1,
+        GROUPS=_group_block(groups), BLOCK=SCORE_BLOCK, CHUNK=min(SCORE_CHUNK, dim), num_warps=4)
+    return scores
+
+
+@quantized_key_scores.register_fake
+def _(q, k_codes, k_scales, k_levels, key_positions, positions, k_bits, query_scale, window):
+    t, kv_heads, groups, _ = q.shape
+    return q.new_empty((t * kv_heads, groups, k_codes.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("gemmactl::quantized_weighted_values", mutates_args=())
+def quantized_weighted_values(weights: torch.Tensor, v_codes: torch.Tensor, v_scales: torch.Tensor,
+                              v_levels: torch.Tensor, kv_heads: int, v_bits: int) -> torch.Tensor:
+    """Each share's weighted values [T·K, shares, g, D] (float32) for weights [T·K, g, S]."""
+    triton, kernels, dot = _kernel()
+    rows, groups, slots = weights.shape
+    dim = v_codes.shape[-1] * 8 // v_bits
+    v0, v1 = code_planes(v_bits)
+    chunk = min(VALUE_CHUNK, dim)
+    shares, per = shares_for(slots, rows * (dim // chunk), weights.device)
+    parts = torch.empty((rows, shares, groups, dim), dtype=torch.float32, device=weights.device)
+    kernels.weighted_values[(rows, shares, dim // chunk)](
+        weights.contiguous(), v_codes.view(torch.int32), v_scales, v_levels, parts, slots, kv_heads, groups,
+        v_codes.shape[-1] // 4, per, shares, D=dim, W0=v0, W1=v1, GROUPS=_group_block(groups), BLOCK=VALUE_BLOCK,
+        CHUNK=chunk, num_warps=4)
+    return parts
+
+
+@quantized_weighted_values.register_fake
+def _(weights, v_codes, v_scales, v_levels, kv_heads, v_bits):
+    rows, groups, slots = weights.shape
+    dim = v_codes.shape[-1] * 8 // v_bits
+    shares, _ = shares_for(slots, rows * (dim // min(VALUE_CHUNK, dim)), weights.device)
+    return weights.new_empty((rows, shares, groups, dim))
+
+
 def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, k_levels: torch.Tensor,
                         v_codes: torch.Tensor, v_scales: torch.Tensor, v_levels: torch.Tensor,
                         key_positions: torch.Tensor, positions: torch.Tensor, k_bits: int, v_bits: int,
@@ -105,32 +163,12 @@ def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.
     scales [S, K] (fp16), levels [2**bits] (float32), key_positions [S] (-1: unwritten). A key is
     seen when written, at or before the row's position, and within window (0: no window).
     Returns [T, K, g, D] in float32."""
-    triton, kernels, dot = _kernel()
     t, kv_heads, groups, dim = q.shape
-    slots = k_codes.shape[0]
-    group_block = max(16, triton.next_power_of_2(groups))
-    q = q.contiguous()
-    (k0, k1), (v0, v1) = code_planes(k_bits), code_planes(v_bits)
-    scores = torch.empty((t * kv_heads, groups, slots), dtype=torch.float32, device=q.device)
-    kernels.key_scores[(t * kv_heads, triton.cdiv(slots, BLOCK_SLOTS))](
-        q, k_codes.view(torch.int32), k_scales, k_levels, key_positions, positions, scores, slots, kv_heads, groups,
-        k_codes.shape[-1] // 4, query_scale, window, D=dim, W0=k0, W1=k1, GROUPS=group_block, BLOCK=BLOCK_SLOTS,
-        DOT=dot, num_warps=_warps(dim, k0))
+    scores = quantized_key_scores(q, k_codes, k_scales, k_levels, key_positions, positions, k_bits, query_scale,
+                                  window)
     # The softmax over a few rows' scores (16 bytes a slot and KV head for Gemma 4's 4 query heads a
-    # KV head, against 516 of a tq4 key and value of 512 coordinates): in place, normalized, so the
-    # values' shares only add up.
-    scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-    scores.div_(scores.sum(-1, keepdim=True))
-    quads = 32 // v0 // 4  # weighted_values takes four fields of coordinates a program
-    shares, per = shares_for(slots, t * kv_heads * quads, q.device)
-    parts = torch.empty((t * kv_heads, shares, groups, dim), dtype=torch.float32, device=q.device)
-    kernels.weighted_values[(t * kv_heads, shares, quads)](
-        scores, v_codes.view(torch.int32), v_scales, v_levels, parts, slots, kv_heads, groups, v_codes.shape[-1] // 4,
-        per, shares, D=dim, W0=v0, W1=v1, GROUPS=group_block, BLOCK=BLOCK_SLOTS, DOT=dot, num_warps=_warps(dim, v0))
+    # KV head, against 516 of a tq4 key and value of 512 coordinates), normalized, so the values'
+    # shares only add up.
+    weights = torch.softmax(scores, dim=-1)
+    parts = quantized_weighted_values(weights, v_codes, v_scales, v_levels, kv_heads, v_bits)
     return parts.sum(1).reshape(t, kv_heads, groups, dim)
-
-
-@quantized_attention.register_fake
-def _(q, k_codes, k_scales, k_levels, v_codes, v_scales, v_levels, key_positions, positions, k_bits, v_bits,
-      query_scale, window):
-    return q.new_empty(q.shape, dtype=torch.float32)

@@ -56,8 +56,9 @@ def read_bytes(mode: str | None, slots: int, heads: int, kv_heads: int, head_dim
     by_blocks = (block * kv_heads * head_dim * (2 * dtype_bytes + READ_TEMP_BYTES) + rows * heads * block * 8
                  + rows * heads * (head_dim + 2) * 4 * 2)
     # The fused read of a decode or verify step (kv_attention.py) holds every slot's float32 score
-    # of its few rows: 4 MiB at one row for an E4B-shaped global layer at 128K, 64 at sixteen.
-    fused = min(rows, FUSED_ROWS_MAX) * heads * slots * 4
+    # of its few rows and their softmax: 8 MiB at one row for an E4B-shaped global layer at 128K,
+    # 128 at sixteen.
+    fused = 2 * min(rows, FUSED_ROWS_MAX) * heads * slots * 4
     return max(by_blocks, fused)
 
 
