@@ -8,8 +8,11 @@ program owns one query row and one KV head (all of that head's query heads) and 
 slots, unpacks each coordinate's code from the bytes it straddles, looks its level up, scales it
 by the vector's scale, and folds the block into a running softmax (split over the slots as in
 flash-decoding; the shares are merged after, in float32). Nothing the size of the cache is ever
-made. Triton is the well-kept route (it ships with torch's CUDA wheels); the kernel is a torch
-custom op, so torch.compile keeps it whole in the fused step and the CUDA graph replays it.
+made. Triton is the well-kept route (it ships with torch's CUDA wheels). Only the kernel's launch
+is a torch custom op: the merge of the shares is plain torch after it, so in the fused step
+torch.compile joins the merge to the operations around it, and the CUDA graph replays it all.
+Inside the op its operations were eight launches of their own a read: for an E4B shape at 32K on
+an H100, 1,368 kernels a step against 1,032, and 99.7 against 114.7 tok/s (docs/benchmarks.md).
 
 Every mode is one layout to the kernel: codes of `bits` bits, eight to `bits` bytes (kv.py packs
 them so; two to a byte at 4 bits is the same order), a level table indexed by the code, and an
@@ -69,7 +72,45 @@ def shares_for(slots: int, rows: int, device: torch.device) -> tuple[int, int]:
     return -(-slots // per), per
 
 
-@torch.library.custom_op("gemmactl::quantized_attention", mutates_args=())
+@torch.library.custom_op("gemmactl::quantized_attention_shares", mutates_args=())
+def quantized_attention_shares(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, k_levels: torch.Tensor,
+                               v_codes: torch.Tensor, v_scales: torch.Tensor, v_levels: torch.Tensor,
+                               key_positions: torch.Tensor, positions: torch.Tensor, k_bits: int, v_bits: int,
+                               query_scale: float, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's launch alone: each share's running maximum, sum of weights [T·K, shares, G]
+    and weighted values [T·K, shares, G, D] (float32; G the groups padded to a block), for
+    quantized_attention to merge. Only the launch is an opaque op, so a compiled step fuses the
+    merge with the operations around it rather than launching each of its operations alone."""
+    triton, kernel, dot = _kernel()
+    t, kv_heads, groups, dim = q.shape
+    slots = k_codes.shape[0]
+    shares, per = shares_for(slots, t * kv_heads, q.device)
+    group_block = _group_block(groups)
+    most = torch.empty((t * kv_heads, shares, group_block), dtype=torch.float32, device=q.device)
+    total = torch.empty_like(most)
+    summed = torch.empty((t * kv_heads, shares, group_block, dim), dtype=torch.float32, device=q.device)
+    kernel[(t * kv_heads, shares)](q.contiguous(), k_codes, k_scales, k_levels, v_codes, v_scales, v_levels,
+                                   key_positions, positions, most, total, summed, slots, kv_heads, groups,
+                                   k_codes.shape[-1], v_codes.shape[-1], per, shares, query_scale, window,
+                                   D=dim, K_BITS=k_bits, V_BITS=v_bits, GROUPS=group_block, BLOCK=BLOCK_SLOTS, DOT=dot,
+                                   num_warps=4)
+    return most, total, summed
+
+
+@quantized_attention_shares.register_fake
+def _(q, k_codes, k_scales, k_levels, v_codes, v_scales, v_levels, key_positions, positions, k_bits, v_bits,
+      query_scale, window):
+    t, kv_heads, groups, dim = q.shape
+    shares, _ = shares_for(k_codes.shape[0], t * kv_heads, q.device)
+    most = q.new_empty((t * kv_heads, shares, _group_block(groups)), dtype=torch.float32)
+    return most, torch.empty_like(most), q.new_empty((*most.shape, dim), dtype=torch.float32)
+
+
+def _group_block(groups: int) -> int:
+    """Query heads a program holds: the groups padded to a power of two, 16 at least (tl.dot)."""
+    return max(16, 1 << (groups - 1).bit_length())
+
+
 def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, k_levels: torch.Tensor,
                         v_codes: torch.Tensor, v_scales: torch.Tensor, v_levels: torch.Tensor,
                         key_positions: torch.Tensor, positions: torch.Tensor, k_bits: int, v_bits: int,
@@ -79,28 +120,11 @@ def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.
     scales [S, K] (fp16), levels [2**bits] (float32), key_positions [S] (-1: unwritten). A key is
     seen when written, at or before the row's position, and within window (0: no window).
     Returns [T, K, g, D] in float32."""
-    triton, kernel, dot = _kernel()
     t, kv_heads, groups, dim = q.shape
-    slots = k_codes.shape[0]
-    shares, per = shares_for(slots, t * kv_heads, q.device)
-    group_block = max(16, triton.next_power_of_2(groups))
-    most = torch.empty((t * kv_heads, shares, group_block), dtype=torch.float32, device=q.device)
-    total = torch.empty_like(most)
-    summed = torch.empty((t * kv_heads, shares, group_block, dim), dtype=torch.float32, device=q.device)
-    kernel[(t * kv_heads, shares)](q.contiguous(), k_codes, k_scales, k_levels, v_codes, v_scales, v_levels,
-                                   key_positions, positions, most, total, summed, slots, kv_heads, groups,
-                                   k_codes.shape[-1], v_codes.shape[-1], per, shares, query_scale, window,
-                                   D=dim, K_BITS=k_bits, V_BITS=v_bits, GROUPS=group_block, BLOCK=BLOCK_SLOTS, DOT=dot,
-                                   num_warps=4)
+    most, total, summed = quantized_attention_shares(q, k_codes, k_scales, k_levels, v_codes, v_scales, v_levels,
+                                                     key_positions, positions, k_bits, v_bits, query_scale, window)
+    most, total, summed = most[:, :, :groups], total[:, :, :groups], summed[:, :, :groups]
     top = most.amax(1, keepdim=True)
     weight = torch.exp(most - top)  # shares with nothing seen weigh nothing
     out = (summed * weight[..., None]).sum(1) / (total * weight).sum(1)[..., None]
-    # Contiguous, as the fake output is: a compiled step checks the strides, and the slice of a
-    # padded group block (groups < 16) is a view with the block's.
-    return out[:, :groups].reshape(t, kv_heads, groups, dim).contiguous()
-
-
-@quantized_attention.register_fake
-def _(q, k_codes, k_scales, k_levels, v_codes, v_scales, v_levels, key_positions, positions, k_bits, v_bits,
-      query_scale, window):
-    return q.new_empty(q.shape, dtype=torch.float32)
+    return out.reshape(t, kv_heads, groups, dim)
