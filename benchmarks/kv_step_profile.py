@@ -7,7 +7,9 @@ The model is built with every layer on the GPU (no budget) at the context, so ev
 the context's slots (a captured step reads every slot of its cache, written or not, as
 `plan --verify` measures it). The compiled step is profiled without its graph (torch.profiler's
 CUDA kernels, summed by name; the kernels of the quantized read, kv_attention_kernel.py, also
-together). The captured step is then replayed for its rate. Prints one JSON object (and writes it to --out).
+together, and the read's custom ops by the shapes of their inputs: a global layer's cache apart
+from a sliding layer's window). The captured step is then replayed for its rate. Prints one JSON
+object (and writes it to --out).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 READ_KERNELS = ("quantized_attention", "key_scores", "weighted_values")
+READ_OPS = "gemmactl::"  # the read's custom ops (kv_attention.py), by the shapes they are called with
 
 
 def profile(artifact: Path, mode: str, context: int, steps: int) -> dict:
@@ -48,7 +51,7 @@ def profile(artifact: Path, mode: str, context: int, steps: int) -> dict:
             position.fill_(i)
             step(tokens, position)
         torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             for i in range(steps):
                 position.fill_(3 + i)
                 step(tokens, position)
@@ -63,6 +66,11 @@ def profile(artifact: Path, mode: str, context: int, steps: int) -> dict:
     read_us = sum(t for name, (t, _) in per_kernel.items() if any(k in name for k in READ_KERNELS)) / steps
     read_launches = sum(c for name, (_, c) in per_kernel.items() if any(k in name for k in READ_KERNELS)) / steps
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:30]
+    # The read's ops by their inputs' shapes (the first two: the queries and the keys' codes), so a
+    # global layer's long cache and a sliding layer's window are told apart.
+    by_shape = {f"{event.key} {event.input_shapes[:2]}": [round(event.device_time_total / steps, 1),
+                                                          event.count // steps]
+                for event in prof.key_averages(group_by_input_shape=True) if event.key.startswith(READ_OPS)}
     rate = None
     if decoder.graph is not None:
         with torch.inference_mode():
@@ -80,6 +88,7 @@ def profile(artifact: Path, mode: str, context: int, steps: int) -> dict:
             "captured": decoder.graph is not None, "replay_tok_s": rate and round(rate, 1),
             "gpu_us_per_step": round(gpu_us, 1), "kernels_per_step": sum(c for _, c in per_kernel.values()) / steps,
             "read_kernels_us_per_step": round(read_us, 1), "read_launches_per_step": read_launches,
+            "read_ops_by_shape_us_per_step": by_shape,
             "top_kernels_us_per_step": {name: [round(t / steps, 1), c // steps] for name, (t, c) in top}}
 
 
