@@ -346,7 +346,22 @@ def test_moe_under_the_plans_placement_decodes_the_same_tokens(moe_artifact):
         assert (cached > 0) == (chosen.expert_cache_bytes > 0)
 
 
-def test_the_kv_mode_sizes_the_caches_and_context_max_finds_the_longest(artifact, runner, monkeypatch):
+@pytest.fixture
+def small_work(monkeypatch):
+    """The prefill's attention scores and a quantized cache's read (a block of slots, scores and
+    sums for a prefill chunk; the fused read's scores of every slot, for one row) held to small
+    bounds: in a model this tiny they would outweigh its KV caches."""
+    from gemmactl.plan import engine_map
+    from gemmactl.runtime.engine import kv_modes
+    from gemmactl.runtime.engine import spec as spec_module
+
+    monkeypatch.setattr(spec_module, "SCORES_BLOCK_BYTES", 256 << 10)
+    monkeypatch.setattr(kv_modes, "READ_BLOCK_BYTES", 16 << 10)
+    monkeypatch.setattr(kv_modes, "FUSED_ROWS_MAX", 1)
+    monkeypatch.setattr(engine_map, "CHUNK_TOKENS", 16)
+
+
+def test_the_kv_mode_sizes_the_caches_and_context_max_finds_the_longest(artifact, runner, small_work):
     """tq4 keeps about a quarter of bf16's KV bytes, so at the budget where bf16 reaches 1024 tokens
     tq4 reaches more than 3 times as many; `plan --context max` says so. (Here a slot of tq4 is
     3.47 times smaller than bf16's, with 64-wide heads and each slot's 8-byte position, and the
@@ -354,15 +369,8 @@ def test_the_kv_mode_sizes_the_caches_and_context_max_finds_the_longest(artifact
     The prefill's attention scores, which also grow with the context until their block bound,
     and a quantized cache's read (a block of slots, scores and sums for a prefill chunk) are held
     to small bounds here: in a model this tiny they would outweigh its KV caches."""
-    from gemmactl.plan import engine_map
     from gemmactl.plan.engine_map import _index_and_spec, _read_bytes, _work_bytes, longest_context
-    from gemmactl.runtime.engine import kv_modes
-    from gemmactl.runtime.engine import spec as spec_module
 
-    monkeypatch.setattr(spec_module, "SCORES_BLOCK_BYTES", 256 << 10)
-    monkeypatch.setattr(kv_modes, "READ_BLOCK_BYTES", 16 << 10)
-    monkeypatch.setattr(kv_modes, "FUSED_ROWS_MAX", 1)  # the fused read's scores, every slot's, for one row
-    monkeypatch.setattr(engine_map, "CHUNK_TOKENS", 16)
     _, spec = _index_and_spec(artifact)
     reads = {n: _read_bytes(spec, n, "tq4", 0) for n in (16, 4096)}
     assert 0 < reads[16] <= reads[4096]  # a read block's room: the whole cache up to a block, then one block
@@ -391,19 +399,12 @@ def test_the_kv_mode_sizes_the_caches_and_context_max_finds_the_longest(artifact
         assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output, result.output
 
 
-def test_context_max_also_names_the_longest_context_keeping_every_layer_on_the_gpu(artifact, runner, monkeypatch):
+def test_context_max_also_names_the_longest_context_keeping_every_layer_on_the_gpu(artifact, runner, small_work):
     """Past the longest context at which every layer stays on the GPU the engine streams layers
-    for the cache's room (and still runs, to longest_context); `plan --context max` names both.
-    (The prefill's scores and a quantized read's room held small, as in the test above.)"""
-    from gemmactl.plan import engine_map
+    for the cache's room (and still runs, to longest_context); `plan --context max` names both."""
+    from gemmactl.formats.int4.reader import read_index
     from gemmactl.plan.engine_map import longest_context, longest_resident_context
-    from gemmactl.runtime.engine import kv_modes
-    from gemmactl.runtime.engine import spec as spec_module
-
-    monkeypatch.setattr(spec_module, "SCORES_BLOCK_BYTES", 256 << 10)
-    monkeypatch.setattr(kv_modes, "READ_BLOCK_BYTES", 16 << 10)
-    monkeypatch.setattr(kv_modes, "FUSED_ROWS_MAX", 1)  # the fused read's scores, every slot's, for one row
-    monkeypatch.setattr(engine_map, "CHUNK_TOKENS", 16)
+    from gemmactl.runtime.engine.spec import hf_text_config
 
     def resident(context: int, mode: str, budget: int) -> bool:
         try:
@@ -414,9 +415,6 @@ def test_context_max_also_names_the_longest_context_keeping_every_layer_on_the_g
     whole = plan_engine(artifact, PROFILE, 64 << 30, 1024)
     budget = whole.gpu_total - whole.gpu_bytes["tables"] + (96 << 10)  # every layer at 1024, the tables in host memory
     found = {mode: longest_resident_context(artifact, PROFILE, budget, mode) for mode in ("bf16", "tq4")}
-    from gemmactl.formats.int4.reader import read_index
-    from gemmactl.runtime.engine.spec import hf_text_config
-
     limit = int(hf_text_config(read_index(artifact)["config"]).max_position_embeddings)
     for mode, n in found.items():
         assert resident(n, mode, budget) and (n == limit or not resident(n + 256, mode, budget))

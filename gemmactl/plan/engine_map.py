@@ -232,19 +232,31 @@ def longest_context(artifact: Path, profile, vram_bytes: int, kv_mode: str | Non
     """The longest context (a multiple of step, up to the model's own) the engine can run in the
     budget at all: its least-that-works map fits. Raises BudgetTooSmallError when not even step
     tokens do."""
+    plan_engine(artifact, profile, vram_bytes, step, kv_mode, draft)  # raises with the minimum when nothing fits
+
+    def fits(context: int) -> bool:
+        try:
+            plan_engine(artifact, profile, vram_bytes, context, kv_mode, draft)
+        except BudgetTooSmallError:
+            return False
+        return True
+
+    return _last_context(artifact, step, fits)
+
+
+def _last_context(artifact: Path, step: int, holds) -> int:
+    """The last multiple of step, up to the model's own context, at which holds(context) is true,
+    given that it holds at step and, once false, stays false."""
     from gemmactl.formats.int4.reader import read_index
     from gemmactl.runtime.engine.spec import hf_text_config
 
     config = read_index(Path(artifact)).get("config") or {}
-    top = max(step, int(hf_text_config(config).max_position_embeddings) // step * step)
-    plan_engine(artifact, profile, vram_bytes, step, kv_mode, draft)  # raises with the minimum when nothing fits
-    low, high = step, top  # low fits; find the last that does
+    low, high = step, max(step, int(hf_text_config(config).max_position_embeddings) // step * step)
     while low < high:
         middle = (low + high + step) // 2 // step * step
-        try:
-            plan_engine(artifact, profile, vram_bytes, middle, kv_mode, draft)
+        if holds(middle):
             low = middle
-        except BudgetTooSmallError:
+        else:
             high = middle - step
     return low
 
@@ -255,9 +267,6 @@ def longest_resident_context(artifact: Path, profile, vram_bytes: int, kv_mode: 
     keeps every layer on the GPU: the longest it decodes without a layer crossing the link or
     running on the CPU. Past it the engine still runs (longest_context), streaming layers for the
     cache's room. 0 where not even step tokens keep every layer there."""
-    from gemmactl.formats.int4.reader import read_index
-    from gemmactl.runtime.engine.spec import hf_text_config
-
     def all_resident(context: int) -> bool:
         try:
             chosen = plan_engine(artifact, profile, vram_bytes, context, kv_mode, draft)
@@ -265,18 +274,7 @@ def longest_resident_context(artifact: Path, profile, vram_bytes: int, kv_mode: 
             return False
         return all(kind == "resident" for kind in chosen.layers)
 
-    config = read_index(Path(artifact)).get("config") or {}
-    top = max(step, int(hf_text_config(config).max_position_embeddings) // step * step)
-    if not all_resident(step):
-        return 0
-    low, high = step, top  # low keeps every layer resident; find the last context that does
-    while low < high:
-        middle = (low + high + step) // 2 // step * step
-        if all_resident(middle):
-            low = middle
-        else:
-            high = middle - step
-    return low
+    return _last_context(artifact, step, all_resident) if all_resident(step) else 0
 
 
 def plan_engine_or_say_the_longest(artifact: Path, profile, vram_bytes: int, context: int,
