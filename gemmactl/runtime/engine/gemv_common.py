@@ -57,11 +57,6 @@ def dot_dtype():
     return tl.float16 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
 
 
-def dot_torch_dtype() -> torch.dtype:
-    """dot_dtype as a torch dtype (tables a kernel looks values up in, in the dtype it multiplies)."""
-    return torch.float16 if os.environ.get("TRITON_INTERPRET") == "1" else torch.bfloat16
-
-
 def available(device) -> bool:
     """Whether a Triton GEMV can run on device (CUDA with Triton importable)."""
     if torch.device(device).type != "cuda":

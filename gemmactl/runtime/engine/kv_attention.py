@@ -8,9 +8,10 @@ kernels (kv_attention_kernel.py):
 
 - key_scores: a program to a query row, a KV head and a block of slots takes the keys' 32-bit
   words a chunk of coordinates at a time, takes the codes from them by shifts (kv.py stores codes
-  in planes of whole fields, so none straddles a word), looks their levels up (a table in the
-  dot's dtype) and multiplies them with the query's chunk; the scores are scaled by each key's
-  scale and masked;
+  in planes of whole fields, so none straddles a word), computes their levels (an odd polynomial
+  of the code, kv.py's polynomial_levels: a few float operations where a table's lookup took an
+  address and a load each) and multiplies them with the query's chunk; the scores are scaled by
+  each key's scale and masked;
 - the softmax over those few rows' scores, in torch (16 bytes a slot for Gemma 4's four query
   heads a KV head, against 516 of a tq4 key and value at 512 coordinates);
 - weighted_values: a program to a query row, a KV head, a share of the slots and a chunk of
@@ -24,11 +25,11 @@ ships with torch's CUDA wheels). Earlier reads, measured on an H100 (docs/benchm
 kernel with a running softmax over codes that straddle bytes (about 60 instructions a coordinate,
 registers spilled); then the planes, with the values' programs taking four interleaved fields
 each and reading every word of a block (4x the values' words). Compiled for sm_90 these kernels
-take about 14-19 instructions a coordinate, most of them the level table's lookup.
+took about 14-19 instructions a coordinate with the level table's lookup, most of them the lookup.
 
-Every mode is one layout to the kernels: codes of `bits` bits in planes (kv_modes.code_planes), a
-level table indexed by the code, and an fp16 scale per vector. int8 is one 8-bit plane with the
-table of the signed byte values. The queries come in turned by the cache's rotation and the output
+Every mode is one layout to the kernels: codes of `bits` bits in planes (kv_modes.code_planes),
+the four coefficients their levels are computed from, and an fp16 scale per vector. int8 is one
+8-bit plane whose level is the byte's signed value. The queries come in turned by the cache's rotation and the output
 leaves in that space: the caller adds the values' centre and turns it back (model.py, as for the
 torch read).
 """
@@ -49,7 +50,7 @@ ROWS_MAX = FUSED_ROWS_MAX  # query rows (tokens) a call takes: a decode step, a 
 # Tiles (slots x coordinates) of the two kernels: the key scores' programs take a block of slots and
 # every coordinate a chunk at a time; the values' programs a share of the slots and one chunk of
 # coordinates. tl.dot needs 16 at least each way. Chosen by what compiles for sm_90 without spilling
-# at 4 warps (about 14-19 instructions a coordinate, most of them the level table's lookup).
+# at 4 warps.
 SCORE_BLOCK, SCORE_CHUNK = 32, 128
 VALUE_BLOCK, VALUE_CHUNK = 64, 128
 PROGRAMS_PER_SM = 4  # the values' programs: enough to keep each multiprocessor's loads in flight
@@ -118,7 +119,7 @@ def quantized_key_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch
     kernels.key_scores[(t * kv_heads, triton.cdiv(slots, SCORE_BLOCK))](
         q.contiguous(), k_codes.view(torch.int32), k_scales, k_levels, key_positions, positions, scores, slots,
         kv_heads, groups, k_codes.shape[-1] // 4, query_scale, window, D=dim, W0=k0, W1=k1,
-        GROUPS=_group_block(groups), BLOCK=SCORE_BLOCK, CHUNK=min(SCORE_CHUNK, dim), num_warps=4)
+        GROUPS=_group_block(groups), BLOCK=SCORE_BLOCK, CHUNK=min(SCORE_CHUNK, dim), DOT=dot, num_warps=4)
     return scores
 
 
@@ -142,7 +143,7 @@ def quantized_weighted_values(weights: torch.Tensor, v_codes: torch.Tensor, v_sc
     kernels.weighted_values[(rows, shares, dim // chunk)](
         weights.contiguous(), v_codes.view(torch.int32), v_scales, v_levels, parts, slots, kv_heads, groups,
         v_codes.shape[-1] // 4, per, shares, D=dim, W0=v0, W1=v1, GROUPS=_group_block(groups), BLOCK=VALUE_BLOCK,
-        CHUNK=chunk, num_warps=4)
+        CHUNK=chunk, DOT=dot, num_warps=4)
     return parts
 
 
@@ -160,7 +161,8 @@ def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.
                         query_scale: float, window: int) -> torch.Tensor:
     """softmax(q·k · query_scale, masked) v for query rows q [T, K, g, D] (turned as the cache
     turns its vectors) at positions [T] over a cache of S slots: codes [S, K, D·bits/8] (uint8),
-    scales [S, K] (fp16), levels [2**bits] (float32), key_positions [S] (-1: unwritten). A key is
+    scales [S, K] (fp16), the levels' coefficients [4] (float32: mid, c1, c3, c5),
+    key_positions [S] (-1: unwritten). A key is
     seen when written, at or before the row's position, and within window (0: no window).
     Returns [T, K, g, D] in float32."""
     t, kv_heads, groups, dim = q.shape

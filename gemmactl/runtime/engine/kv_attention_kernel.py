@@ -28,13 +28,31 @@ def _codes(row, ok, start, W0: tl.constexpr, W1: tl.constexpr, LOW: tl.constexpr
 
 
 @triton.jit
+def _level(code, poly_ptr, WRAP: tl.constexpr, DOT: tl.constexpr):
+    """The levels of codes, in DOT: with u = code - mid, u·(c1 + u²·(c3 + u²·c5)) (kv.py's
+    polynomial_levels; poly_ptr: mid, c1, c3, c5), a few float operations where a table's lookup
+    took an address and a load per code. WRAP (int8): bytes read unsigned whose signed value is
+    wanted, the code plus 128 (wrapped) less 128."""
+    mid = tl.load(poly_ptr)
+    c1 = tl.load(poly_ptr + 1)
+    c3 = tl.load(poly_ptr + 2)
+    c5 = tl.load(poly_ptr + 3)
+    if WRAP:
+        code = (code + 128) & 255
+    # the code as a float by its bits (2**23 + code, exact), without a conversion instruction
+    u = ((code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) - mid
+    u2 = u * u
+    return (u * (c1 + u2 * (c3 + u2 * c5))).to(DOT)
+
+
+@triton.jit
 def key_scores(q_ptr, kw_ptr, ks_ptr, kl_ptr, kpos_ptr, pos_ptr, s_ptr, S, kv_heads, groups, row_words,
                query_scale, window,
                D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
-               CHUNK: tl.constexpr):
+               CHUNK: tl.constexpr, DOT: tl.constexpr):
     """Scores [T·K, groups, S] (float32) of one query row's heads of one KV head against a block of
-    slots: the keys' levels (the table in the dot's dtype) looked up a chunk of coordinates at a
-    time and multiplied with the query's, then scaled by each key's scale; unseen slots at -3e38."""
+    slots: the keys' levels computed from their codes a chunk of coordinates at a time and
+    multiplied with the query's, then scaled by each key's scale; unseen slots at -3e38."""
     row_head = tl.program_id(0)  # t · kv_heads + head
     block = tl.program_id(1)
     t = row_head // kv_heads
@@ -47,10 +65,10 @@ def key_scores(q_ptr, kw_ptr, ks_ptr, kl_ptr, kpos_ptr, pos_ptr, s_ptr, S, kv_he
     row = kw_ptr + ((slots * kv_heads + head) * row_words)[:, None]
     acc = tl.zeros((GROUPS, BLOCK), dtype=tl.float32)
     for start in tl.static_range(0, D, CHUNK):
-        k = tl.load(kl_ptr + _codes(row, ok, start, W0, W1, D * W0 // 32, CHUNK))  # [BLOCK, CHUNK]
+        k = _level(_codes(row, ok, start, W0, W1, D * W0 // 32, CHUNK), kl_ptr, W0 == 8, DOT)  # [BLOCK, CHUNK]
         q = tl.load(q_ptr + (row_head * groups + g[:, None]) * D + (start + c)[None, :], mask=g_ok[:, None],
                     other=0.0)
-        acc += tl.dot(q.to(k.dtype), tl.trans(k))
+        acc += tl.dot(q.to(DOT), tl.trans(k))
     scale = tl.load(ks_ptr + slots * kv_heads + head, mask=ok, other=0.0).to(tl.float32)
     position = tl.load(pos_ptr + t)
     kpos = tl.load(kpos_ptr + slots, mask=ok, other=-1)
@@ -64,7 +82,7 @@ def key_scores(q_ptr, kw_ptr, ks_ptr, kl_ptr, kpos_ptr, pos_ptr, s_ptr, S, kv_he
 @triton.jit
 def weighted_values(w_ptr, vw_ptr, vs_ptr, vl_ptr, out_ptr, S, kv_heads, groups, row_words, per_share, shares,
                     D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
-                    CHUNK: tl.constexpr):
+                    CHUNK: tl.constexpr, DOT: tl.constexpr):
     """One share of the slots' values, weighted, for one chunk of coordinates: [T·K, shares,
     groups, D] (float32), a program to a query row and KV head, a share of the slots and a chunk.
     The weights (the softmax, normalized) come from key_scores; each value's scale is folded into
@@ -85,7 +103,7 @@ def weighted_values(w_ptr, vw_ptr, vs_ptr, vl_ptr, out_ptr, S, kv_heads, groups,
                     other=0.0)
         w = w * tl.load(vs_ptr + slots * kv_heads + head, mask=ok, other=0.0).to(tl.float32)[None, :]
         row = vw_ptr + ((slots * kv_heads + head) * row_words)[:, None]
-        v = tl.load(vl_ptr + _codes(row, ok, start, W0, W1, D * W0 // 32, CHUNK))  # [BLOCK, CHUNK]
-        acc += tl.dot(w.to(v.dtype), v)
+        v = _level(_codes(row, ok, start, W0, W1, D * W0 // 32, CHUNK), vl_ptr, W0 == 8, DOT)  # [BLOCK, CHUNK]
+        acc += tl.dot(w.to(DOT), v)
     tl.store(out_ptr + ((row_head * shares + share) * groups + g[:, None]) * D + (start + c)[None, :], acc,
              mask=g_ok[:, None])
