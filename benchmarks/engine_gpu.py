@@ -225,6 +225,20 @@ def start(args) -> dict:
     return result
 
 
+def kernel_times(prof) -> dict:
+    """{kernel name (its first 90 characters): (µs in all, launches)} of a torch.profiler run's
+    CUDA kernels."""
+    import torch
+
+    per_kernel: dict = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name[:90]
+            total, count = per_kernel.get(name, (0.0, 0))
+            per_kernel[name] = (total + event.time_range.elapsed_us(), count + 1)
+    return per_kernel
+
+
 def profile(args) -> dict:
     import torch
     from torch.profiler import ProfilerActivity
@@ -253,12 +267,7 @@ def profile(args) -> dict:
                 position.fill_(3 + i)
                 eager._step(tokens, position)
             torch.cuda.synchronize()
-    per_kernel: dict = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name[:90]
-            total, count = per_kernel.get(name, (0.0, 0))
-            per_kernel[name] = (total + event.time_range.elapsed_us(), count + 1)
+    per_kernel = kernel_times(prof)
     gpu_us = sum(t for t, _ in per_kernel.values()) / args.steps
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
     os.environ["GEMMACTL_ENGINE_GRAPH"] = "on"

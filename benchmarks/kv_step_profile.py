@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_gpu import kernel_times  # noqa: E402
 
 READ_KERNELS = ("quantized_attention", "key_scores", "weighted_values")
 READ_OPS = "gemmactl::"  # the read's custom ops (kv_attention.py), by the shapes they are called with
@@ -56,12 +59,7 @@ def profile(artifact: Path, mode: str, context: int, steps: int) -> dict:
                 position.fill_(3 + i)
                 step(tokens, position)
             torch.cuda.synchronize()
-    per_kernel: dict = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name[:90]
-            total, count = per_kernel.get(name, (0.0, 0))
-            per_kernel[name] = (total + event.time_range.elapsed_us(), count + 1)
+    per_kernel = kernel_times(prof)
     gpu_us = sum(t for t, _ in per_kernel.values()) / steps
     read_us = sum(t for name, (t, _) in per_kernel.items() if any(k in name for k in READ_KERNELS)) / steps
     read_launches = sum(c for name, (_, c) in per_kernel.items() if any(k in name for k in READ_KERNELS)) / steps
