@@ -350,11 +350,17 @@ def test_the_fused_read_of_a_quantized_cache_attends_as_the_torch_read(artifacts
 @pytest.mark.parametrize("mode", ["tq4", "int8"])
 @pytest.mark.parametrize("compiled", ["off", "on"])
 def test_gpu_fused_read_attends_as_the_torch_read_and_is_captured(artifacts, kind, mode, compiled, monkeypatch):
-    """On CUDA the engine reads a quantized cache with the fused kernel: at each read it matches the
-    torch read of the same cache and queries (up to the kernel's bfloat16 products), and the
-    captured step gives the eager step's logits along its tokens, captured as it is and fused by
-    torch.compile (the step of a map with every layer resident; the compiled graph checks the op's
-    output strides against its fake's, which once failed there)."""
+    """On CUDA the engine reads a quantized cache with the fused kernels: at each read they match the
+    torch read of the same cache and queries (up to their float16 products), and the captured step
+    gives the step's logits along its tokens. Captured as it is, the step is the eager one's
+    kernels over every slot: the eager logits up to rounding. Fused by torch.compile, it rounds
+    otherwise than the eager step, and in a quantized cache a difference of rounding now and then
+    moves a code across a boundary, which a tiny random model turns into logits 7-25% of their
+    largest apart (measured: CPU and GPU alike, main's read too; not with torch.compile's aot_eager
+    backend, which keeps the eager arithmetic). So the fused step is held to the same fused step
+    run uncaptured, and the read's ops compiled alone to the ops run eagerly (the compiled graph
+    checks the ops' output strides against their fakes', which once failed there)."""
+    from gemmactl.runtime.engine import kv_attention
     from gemmactl.runtime.engine.graph import DecodeStep
     from gemmactl.runtime.engine.model import GemmaModel
 
@@ -373,15 +379,32 @@ def test_gpu_fused_read_attends_as_the_torch_read_and_is_captured(artifacts, kin
 
     monkeypatch.setattr(GemmaModel, "_scores_fused", both)
     expected, _ = engine_greedy(engine, PROMPT, 12)  # eager, bounded
-    assert errors and max(errors) <= 2e-2, max(errors)
+    assert errors and max(errors) <= 1e-2, max(errors)  # an H100: 0.3% at most
     monkeypatch.setattr(GemmaModel, "_scores_fused", fused)
-    eager = _logits_along(engine, PROMPT, expected)
     step = DecodeStep(engine)
-    assert step.graph is not None
-    # The captured step fed the eager step's tokens: the same logits up to rounding (a fused step
-    # rounds otherwise than the eager one, and a tiny random model's near-ties would turn on it),
-    # and the same choice wherever the eager step's top two are further apart than that.
+    assert step.graph is not None and step.compiled == (compiled == "on")
     captured = _logits_along(engine, PROMPT, expected, decoder=step)
+    if compiled == "on":
+        run = step.compiled_step()
+        direct = _logits_along(engine, PROMPT, expected, decoder=lambda token, position: run(
+            token, torch.tensor([position], device=engine.device)))
+        assert float((captured - direct).abs().max()) <= 1e-5 * float(direct.abs().max())
+        cache = next(iter(engine.caches.values()))  # holds the prompt and the tokens after it
+        parts, groups = cache.fused_parts(cache.slots), 2
+        positions = torch.tensor([len(PROMPT) + len(expected) - 2], device=engine.device)
+
+        def read(q):
+            return kv_attention.quantized_attention(q, *parts["k"], *parts["v"], cache.pos, positions, parts["k_bits"],
+                                                    parts["v_bits"], cache.head_dim ** -0.5, 0)
+
+        q = torch.randn(1, cache.kv_heads, groups, cache.head_dim, device=engine.device)
+        alone = read(q)
+        assert float((torch.compile(read, fullgraph=True, dynamic=False)(q) - alone).abs().max()) <= \
+            1e-5 * float(alone.abs().max())
+        return
+    eager = _logits_along(engine, PROMPT, expected)
+    # The same logits up to rounding (a tiny random model's near-ties would turn on it), and the
+    # same choice wherever the eager step's top two are further apart than that.
     worst = float((captured - eager).abs().max())
     assert worst <= 2e-2 * float(eager.abs().max()), (worst, float(eager.abs().max()),
                                                       (captured - eager).abs().amax(-1).tolist())

@@ -85,8 +85,8 @@ def weighted_values(w_ptr, vw_ptr, vs_ptr, vl_ptr, out_ptr, S, kv_heads, groups,
                     CHUNK: tl.constexpr, DOT: tl.constexpr):
     """One share of the slots' values, weighted, for one chunk of coordinates: [T·K, shares,
     groups, D] (float32), a program to a query row and KV head, a share of the slots and a chunk.
-    The weights (the softmax, normalized) come from key_scores; each value's scale is folded into
-    its weight."""
+    The weights (the softmax, normalized) come from key_scores; each value is scaled before the
+    product."""
     row_head = tl.program_id(0)
     share = tl.program_id(1)
     start = tl.program_id(2) * CHUNK
@@ -101,9 +101,11 @@ def weighted_values(w_ptr, vw_ptr, vs_ptr, vl_ptr, out_ptr, S, kv_heads, groups,
         ok = slots < S
         w = tl.load(w_ptr + (row_head * groups + g[:, None]) * S + slots[None, :], mask=g_ok[:, None] & ok[None, :],
                     other=0.0)
-        w = w * tl.load(vs_ptr + slots * kv_heads + head, mask=ok, other=0.0).to(tl.float32)[None, :]
+        scale = tl.load(vs_ptr + slots * kv_heads + head, mask=ok, other=0.0).to(tl.float32)
         row = vw_ptr + ((slots * kv_heads + head) * row_words)[:, None]
-        v = _level(_codes(row, ok, start, W0, W1, D * W0 // 32, CHUNK), vl_ptr, W0 == 8, DOT)  # [BLOCK, CHUNK]
-        acc += tl.dot(w.to(DOT), v)
+        v = _level(_codes(row, ok, start, W0, W1, D * W0 // 32, CHUNK), vl_ptr, W0 == 8, tl.float32)
+        # the scale on the value, not the weight: a weight times a small scale would fall below
+        # float16's normal range where long caches spread their weights thin
+        acc += tl.dot(w.to(DOT), (v * scale[:, None]).to(DOT))
     tl.store(out_ptr + ((row_head * shares + share) * groups + g[:, None]) * D + (start + c)[None, :], acc,
              mask=g_ok[:, None])
