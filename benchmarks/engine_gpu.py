@@ -232,7 +232,9 @@ def kernel_times(prof) -> dict:
 
     per_kernel: dict = {}
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        # ranges torch.compile marks ("## Call CompiledFxGraph ... ##") land on the GPU's timeline
+        # too, spanning the kernels they launch: not kernels
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith("## "):
             name = event.name[:90]
             total, count = per_kernel.get(name, (0.0, 0))
             per_kernel[name] = (total + event.time_range.elapsed_us(), count + 1)

@@ -2,12 +2,13 @@
 against torch's attention over the same slots in bfloat16.
 
     python benchmarks/kv_read_gpu.py [--slots 4096 32768 131072] [--rows 1 5] [--modes int8 tq4 tq3]
-                                     [--heads 2 --groups 4 --dim 512] [--out FILE]
+                                     [--heads 2 --groups 4 --dim 512] [--graph] [--out FILE]
 
 The shape defaults to an E4B-shaped global layer (2 KV heads, 4 query heads each, 512 wide).
 Each cache is filled with random keys and values at every slot; each read is timed with CUDA
 events over many calls after a warm-up (the fastest of five rounds' means), eagerly, so short
-caches measure the launches from Python more than the kernel. The bf16 rows are a reference only:
+caches measure the launches from Python more than the kernel, or with --graph captured in a CUDA
+graph and replayed, as a decode step runs it. The bf16 rows are a reference only:
 torch's scaled_dot_product_attention with grouped heads over a bfloat16 copy of the same slots,
 not the engine's own bf16 read, which the fused step compiles with the rest (its effect on decode
 is measured by `plan --verify` at a context, docs/benchmarks.md). "bytes" is what the read must
@@ -25,10 +26,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def time_ms(call, repeats: int = 50) -> float:
+def time_ms(call, repeats: int = 50, graph: bool = False) -> float:
     import torch
 
     for _ in range(3):
+        call()
+    if graph:  # the read captured as a decode step holds it: no launches from Python in the time
+        torch.cuda.synchronize()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            call()
+        call = captured.replay
         call()
     best = float("inf")
     for _ in range(5):
@@ -42,7 +50,7 @@ def time_ms(call, repeats: int = 50) -> float:
     return best
 
 
-def measure(mode: str, slots: int, rows: int, heads: int, groups: int, dim: int) -> dict:
+def measure(mode: str, slots: int, rows: int, heads: int, groups: int, dim: int, graph: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -74,7 +82,7 @@ def measure(mode: str, slots: int, rows: int, heads: int, groups: int, dim: int)
         def call():
             return kv_attention.quantized_attention(q, *parts["k"], *parts["v"], cache.pos, positions, parts["k_bits"],
                                                     parts["v_bits"], dim ** -0.5, 0)
-    ms = time_ms(call)
+    ms = time_ms(call, graph=graph)
     read = slots * heads * pair_bytes(mode, dim)
     return {"mode": mode, "slots": slots, "rows": rows, "ms": round(ms, 4), "bytes": read,
             "gb_s": round(read / ms / 1e6, 1)}
@@ -88,6 +96,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--graph", action="store_true", help="time the read captured in a CUDA graph")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     import torch
@@ -95,14 +104,14 @@ def main() -> None:
     results = []
     for slots in args.slots:
         for rows in args.rows:
-            base = measure("bf16", slots, rows, args.heads, args.groups, args.dim)
+            base = measure("bf16", slots, rows, args.heads, args.groups, args.dim, args.graph)
             results.append(base)
             for mode in args.modes:
-                row = measure(mode, slots, rows, args.heads, args.groups, args.dim)
+                row = measure(mode, slots, rows, args.heads, args.groups, args.dim, args.graph)
                 row["vs_bf16"] = round(base["ms"] / row["ms"], 3)
                 results.append(row)
                 print(json.dumps(row), file=sys.stderr)
-    report = {"device": torch.cuda.get_device_name(), "heads": args.heads, "groups": args.groups, "dim": args.dim,
+    report = {"device": torch.cuda.get_device_name(), "graph": args.graph, "heads": args.heads, "groups": args.groups, "dim": args.dim,
               "reads": results}
     text = json.dumps(report, indent=1)
     if args.out:

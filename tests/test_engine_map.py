@@ -349,14 +349,15 @@ def test_moe_under_the_plans_placement_decodes_the_same_tokens(moe_artifact):
 @pytest.fixture
 def small_work(monkeypatch):
     """The prefill's attention scores and a quantized cache's read (a block of slots, scores and
-    sums for a prefill chunk) held to small bounds: in a model this tiny they would outweigh its
-    KV caches."""
+    sums for a prefill chunk; the fused read's scores of every slot, for one row) held to small
+    bounds: in a model this tiny they would outweigh its KV caches."""
     from gemmactl.plan import engine_map
     from gemmactl.runtime.engine import kv_modes
     from gemmactl.runtime.engine import spec as spec_module
 
     monkeypatch.setattr(spec_module, "SCORES_BLOCK_BYTES", 256 << 10)
     monkeypatch.setattr(kv_modes, "READ_BLOCK_BYTES", 16 << 10)
+    monkeypatch.setattr(kv_modes, "FUSED_ROWS_MAX", 1)
     monkeypatch.setattr(engine_map, "CHUNK_TOKENS", 16)
 
 

@@ -1,24 +1,37 @@
-"""Attention of a few query rows over a quantized KV cache, reading the codes inside a Triton kernel.
+"""Attention of a few query rows over a quantized KV cache, reading the codes inside Triton kernels.
 
 A decode step over a quantized cache (kv.py: int8, tq4, tq3) used to decode a block of slots into
 bfloat16 keys and values with torch operations, then score them: about ten kernels and 24 bytes of
 temporaries per cached element, so at 32K slots tq4 decoded slower than the bfloat16 cache it
-shrinks (0.67x on an E4B shape, docs/benchmarks.md). This kernel reads each packed code once: a
-program owns one query row and one KV head (all of that head's query heads) and a share of the
-slots, unpacks each coordinate's code from the bytes it straddles, looks its level up, scales it
-by the vector's scale, and folds the block into a running softmax (split over the slots as in
-flash-decoding; the shares are merged after, in float32). Nothing the size of the cache is ever
-made. Triton is the well-kept route (it ships with torch's CUDA wheels). Only the kernel's launch
-is a torch custom op: the merge of the shares is plain torch after it, so in the fused step
-torch.compile joins the merge to the operations around it, and the CUDA graph replays it all.
-Inside the op its operations were eight launches of their own a read: for an E4B shape at 32K on
-an H100, 1,368 kernels a step against 1,032, and 99.7 against 114.7 tok/s (docs/benchmarks.md).
+shrinks (0.67x on an E4B shape, docs/benchmarks.md). Here the codes are read in place, in two
+kernels (kv_attention_kernel.py):
 
-Every mode is one layout to the kernel: codes of `bits` bits, eight to `bits` bytes (kv.py packs
-them so; two to a byte at 4 bits is the same order), a level table indexed by the code, and an
-fp16 scale per vector. int8 is bits 8 with the table of the signed byte values. The queries come
-in turned by the cache's rotation and the output leaves in that space: the caller adds the
-values' centre and turns it back (model.py, as for the torch read).
+- key_scores: a program to a query row, a KV head and a block of slots takes the keys' 32-bit
+  words a chunk of coordinates at a time, takes the codes from them by shifts (kv.py stores codes
+  in planes of whole fields, so none straddles a word), computes their levels (an odd polynomial
+  of the code, kv.py's polynomial_levels: a few float operations where a table's lookup took an
+  address and a load each) and multiplies them with the query's chunk; the scores are scaled by
+  each key's scale and masked;
+- the softmax over those few rows' scores, in torch (16 bytes a slot for Gemma 4's four query
+  heads a KV head, against 516 of a tq4 key and value at 512 coordinates);
+- weighted_values: a program to a query row, a KV head, a share of the slots and a chunk of
+  coordinates reads only that chunk's words and adds up the values (each scaled) weighted; the
+  shares are summed after. Both kernels multiply in float16 on tensor cores (see _kernel).
+
+Nothing the size of the cache is made but the scores. Only the two kernels' launches are opaque
+torch custom ops: in the fused step torch.compile joins the softmax and the sum of the shares to
+the operations around them, and the CUDA graph replays it all. Triton is the well-kept route (it
+ships with torch's CUDA wheels). Earlier reads, measured on an H100 (docs/benchmarks.md): one
+kernel with a running softmax over codes that straddle bytes (about 60 instructions a coordinate,
+registers spilled); then the planes, with the values' programs taking four interleaved fields
+each and reading every word of a block (4x the values' words). Compiled for sm_90 these kernels
+took about 14-19 instructions a coordinate with the level table's lookup, most of them the lookup.
+
+Every mode is one layout to the kernels: codes of `bits` bits in planes (kv_modes.code_planes),
+the four coefficients their levels are computed from, and an fp16 scale per vector. int8 is one
+8-bit plane whose level is the byte's signed value. The queries come in turned by the cache's rotation and the output
+leaves in that space: the caller adds the values' centre and turns it back (model.py, as for the
+torch read).
 """
 
 from __future__ import annotations
@@ -28,20 +41,34 @@ import os
 
 import torch
 
-from gemmactl.runtime.engine.gemv_common import available, dot_dtype
+from gemmactl.runtime.engine.gemv_common import available
 from gemmactl.runtime.engine.gemv_common import sms as _sms
+from gemmactl.runtime.engine.kv_modes import FUSED_ROWS_MAX, code_planes
 
 ENV = "GEMMACTL_KV_KERNEL"  # auto (on for CUDA with Triton) | off (the torch read) | on (also Triton's CPU interpreter)
-BLOCK_SLOTS = 16  # slots a program decodes at a time (tl.dot needs 16 at least)
-ROWS_MAX = 16  # query rows (tokens) a call takes: a decode step, a verify step; prefill reads by blocks
-PROGRAMS_PER_SM = 2  # shares of the slots: enough programs to fill the GPU at one query row
+ROWS_MAX = FUSED_ROWS_MAX  # query rows (tokens) a call takes: a decode step, a verify step; prefill reads by blocks
+# Tiles (slots x coordinates) of the two kernels: the key scores' programs take a block of slots and
+# every coordinate a chunk at a time; the values' programs a share of the slots and one chunk of
+# coordinates. tl.dot needs 16 at least each way. Chosen by what compiles for sm_90 without spilling
+# at 4 warps.
+SCORE_BLOCK, SCORE_CHUNK = 32, 128
+VALUE_BLOCK, VALUE_CHUNK = 64, 128
+PROGRAMS_PER_SM = 4  # the values' programs: enough to keep each multiprocessor's loads in flight
 
 
-def usable(device, rows: int, head_dim: int) -> bool:
-    """Whether the fused read takes rows query rows of head_dim on device: CUDA with Triton (unless
-    ENV is off), or Triton's CPU interpreter when ENV is on (the tests' way to run it)."""
+MIN_SLOTS_ENV = "GEMMACTL_KV_KERNEL_MIN_SLOTS"  # caches shorter than this are read by torch (default 0: none)
+
+
+def usable(device, rows: int, head_dim: int, slots: int | None = None) -> bool:
+    """Whether the fused read takes rows query rows of head_dim (over slots slots) on device: CUDA
+    with Triton (unless ENV is off), or Triton's CPU interpreter when ENV is on (the tests' way to
+    run it). MIN_SLOTS_ENV leaves short caches (a sliding layer's window) to the torch read, which
+    a fused step compiles with its neighbours, where the kernel's several launches cost more than
+    the read; to measure (not yet measured)."""
     setting = os.environ.get(ENV, "auto")
-    if setting == "off" or rows > ROWS_MAX or head_dim & (head_dim - 1):
+    if setting == "off" or rows > ROWS_MAX or head_dim & (head_dim - 1) or head_dim % 32:
+        return False
+    if slots is not None and slots < int(os.environ.get(MIN_SLOTS_ENV, "0")):
         return False
     if torch.device(device).type == "cuda":
         return available(device)
@@ -56,59 +83,83 @@ def usable(device, rows: int, head_dim: int) -> bool:
 
 @functools.cache
 def _kernel():
+    """Triton, the kernels, and the dtype their tl.dot takes: float16, whose three more bits of
+    mantissa than bfloat16 keep a read's products about 8x closer to float32's (bfloat16's
+    rounding of the queries and levels moved a tiny model's captured logits by 2-3% against its
+    eager ones on an H100). Nothing the read multiplies comes near float16's range: the levels are
+    at most 127 (int8) or a few units (the turbo modes), the weights at most 1, the queries
+    normalized, and a value's scale is applied before its cast. The interpreter takes the same."""
     import triton
+    import triton.language as tl
 
-    from gemmactl.runtime.engine.kv_attention_kernel import quantized_attention as kernel
+    from gemmactl.runtime.engine import kv_attention_kernel as kernels
 
-    return triton, kernel, dot_dtype()
+    return triton, kernels, tl.float16
 
 
-def shares_for(slots: int, rows: int, device: torch.device) -> tuple[int, int]:
-    """(shares, slots per share) for rows · kv_heads programs over slots: enough shares that the
+def shares_for(slots: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """(shares, slots per share) for `programs` programs a share over slots: enough shares that the
     GPU's multiprocessors each get PROGRAMS_PER_SM programs, a whole number of blocks each."""
-    blocks = -(-slots // BLOCK_SLOTS)
-    shares = max(1, min(blocks, -(-PROGRAMS_PER_SM * _sms(device) // max(rows, 1))))
-    per = -(-blocks // shares) * BLOCK_SLOTS
+    blocks = -(-slots // VALUE_BLOCK)
+    shares = max(1, min(blocks, -(-PROGRAMS_PER_SM * _sms(device) // max(programs, 1))))
+    per = -(-blocks // shares) * VALUE_BLOCK
     return -(-slots // per), per
-
-
-@torch.library.custom_op("gemmactl::quantized_attention_shares", mutates_args=())
-def quantized_attention_shares(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, k_levels: torch.Tensor,
-                               v_codes: torch.Tensor, v_scales: torch.Tensor, v_levels: torch.Tensor,
-                               key_positions: torch.Tensor, positions: torch.Tensor, k_bits: int, v_bits: int,
-                               query_scale: float, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's launch alone: each share's running maximum, sum of weights [T·K, shares, G]
-    and weighted values [T·K, shares, G, D] (float32; G the groups padded to a block), for
-    quantized_attention to merge. Only the launch is an opaque op, so a compiled step fuses the
-    merge with the operations around it rather than launching each of its operations alone."""
-    triton, kernel, dot = _kernel()
-    t, kv_heads, groups, dim = q.shape
-    slots = k_codes.shape[0]
-    shares, per = shares_for(slots, t * kv_heads, q.device)
-    group_block = _group_block(groups)
-    most = torch.empty((t * kv_heads, shares, group_block), dtype=torch.float32, device=q.device)
-    total = torch.empty_like(most)
-    summed = torch.empty((t * kv_heads, shares, group_block, dim), dtype=torch.float32, device=q.device)
-    kernel[(t * kv_heads, shares)](q.contiguous(), k_codes, k_scales, k_levels, v_codes, v_scales, v_levels,
-                                   key_positions, positions, most, total, summed, slots, kv_heads, groups,
-                                   k_codes.shape[-1], v_codes.shape[-1], per, shares, query_scale, window,
-                                   D=dim, K_BITS=k_bits, V_BITS=v_bits, GROUPS=group_block, BLOCK=BLOCK_SLOTS, DOT=dot,
-                                   num_warps=4)
-    return most, total, summed
-
-
-@quantized_attention_shares.register_fake
-def _(q, k_codes, k_scales, k_levels, v_codes, v_scales, v_levels, key_positions, positions, k_bits, v_bits,
-      query_scale, window):
-    t, kv_heads, groups, dim = q.shape
-    shares, _ = shares_for(k_codes.shape[0], t * kv_heads, q.device)
-    most = q.new_empty((t * kv_heads, shares, _group_block(groups)), dtype=torch.float32)
-    return most, torch.empty_like(most), q.new_empty((*most.shape, dim), dtype=torch.float32)
 
 
 def _group_block(groups: int) -> int:
     """Query heads a program holds: the groups padded to a power of two, 16 at least (tl.dot)."""
     return max(16, 1 << (groups - 1).bit_length())
+
+
+# Only the kernels' launches are opaque ops: a compiled step fuses the softmax between them and the
+# sum of the shares after with the operations around them, rather than launching each alone.
+@torch.library.custom_op("gemmactl::quantized_key_scores", mutates_args=())
+def quantized_key_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, k_levels: torch.Tensor,
+                         key_positions: torch.Tensor, positions: torch.Tensor, k_bits: int, query_scale: float,
+                         window: int) -> torch.Tensor:
+    """Scores [T·K, g, S] (float32) of query rows q [T, K, g, D], unseen slots at -3e38."""
+    triton, kernels, dot = _kernel()
+    t, kv_heads, groups, dim = q.shape
+    slots = k_codes.shape[0]
+    k0, k1 = code_planes(k_bits)
+    scores = torch.empty((t * kv_heads, groups, slots), dtype=torch.float32, device=q.device)
+    kernels.key_scores[(t * kv_heads, triton.cdiv(slots, SCORE_BLOCK))](
+        q.contiguous(), k_codes.view(torch.int32), k_scales, k_levels, key_positions, positions, scores, slots,
+        kv_heads, groups, k_codes.shape[-1] // 4, query_scale, window, D=dim, W0=k0, W1=k1,
+        GROUPS=_group_block(groups), BLOCK=SCORE_BLOCK, CHUNK=min(SCORE_CHUNK, dim), DOT=dot, num_warps=4)
+    return scores
+
+
+@quantized_key_scores.register_fake
+def _(q, k_codes, k_scales, k_levels, key_positions, positions, k_bits, query_scale, window):
+    t, kv_heads, groups, _ = q.shape
+    return q.new_empty((t * kv_heads, groups, k_codes.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("gemmactl::quantized_weighted_values", mutates_args=())
+def quantized_weighted_values(weights: torch.Tensor, v_codes: torch.Tensor, v_scales: torch.Tensor,
+                              v_levels: torch.Tensor, kv_heads: int, v_bits: int) -> torch.Tensor:
+    """Each share's weighted values [T·K, shares, g, D] (float32) for weights [T·K, g, S]."""
+    triton, kernels, dot = _kernel()
+    rows, groups, slots = weights.shape
+    dim = v_codes.shape[-1] * 8 // v_bits
+    v0, v1 = code_planes(v_bits)
+    chunk = min(VALUE_CHUNK, dim)
+    shares, per = shares_for(slots, rows * (dim // chunk), weights.device)
+    parts = torch.empty((rows, shares, groups, dim), dtype=torch.float32, device=weights.device)
+    kernels.weighted_values[(rows, shares, dim // chunk)](
+        weights.contiguous(), v_codes.view(torch.int32), v_scales, v_levels, parts, slots, kv_heads, groups,
+        v_codes.shape[-1] // 4, per, shares, D=dim, W0=v0, W1=v1, GROUPS=_group_block(groups), BLOCK=VALUE_BLOCK,
+        CHUNK=chunk, DOT=dot, num_warps=4)
+    return parts
+
+
+@quantized_weighted_values.register_fake
+def _(weights, v_codes, v_scales, v_levels, kv_heads, v_bits):
+    rows, groups, slots = weights.shape
+    dim = v_codes.shape[-1] * 8 // v_bits
+    shares, _ = shares_for(slots, rows * (dim // min(VALUE_CHUNK, dim)), weights.device)
+    return weights.new_empty((rows, shares, groups, dim))
 
 
 def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, k_levels: torch.Tensor,
@@ -117,14 +168,16 @@ def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.
                         query_scale: float, window: int) -> torch.Tensor:
     """softmax(q·k · query_scale, masked) v for query rows q [T, K, g, D] (turned as the cache
     turns its vectors) at positions [T] over a cache of S slots: codes [S, K, D·bits/8] (uint8),
-    scales [S, K] (fp16), levels [2**bits] (float32), key_positions [S] (-1: unwritten). A key is
+    scales [S, K] (fp16), the levels' coefficients [4] (float32: mid, c1, c3, c5),
+    key_positions [S] (-1: unwritten). A key is
     seen when written, at or before the row's position, and within window (0: no window).
     Returns [T, K, g, D] in float32."""
     t, kv_heads, groups, dim = q.shape
-    most, total, summed = quantized_attention_shares(q, k_codes, k_scales, k_levels, v_codes, v_scales, v_levels,
-                                                     key_positions, positions, k_bits, v_bits, query_scale, window)
-    most, total, summed = most[:, :, :groups], total[:, :, :groups], summed[:, :, :groups]
-    top = most.amax(1, keepdim=True)
-    weight = torch.exp(most - top)  # shares with nothing seen weigh nothing
-    out = (summed * weight[..., None]).sum(1) / (total * weight).sum(1)[..., None]
-    return out.reshape(t, kv_heads, groups, dim)
+    scores = quantized_key_scores(q, k_codes, k_scales, k_levels, key_positions, positions, k_bits, query_scale,
+                                  window)
+    # The softmax over a few rows' scores (16 bytes a slot and KV head for Gemma 4's 4 query heads a
+    # KV head, against 516 of a tq4 key and value of 512 coordinates), normalized, so the values'
+    # shares only add up.
+    weights = torch.softmax(scores, dim=-1)
+    parts = quantized_weighted_values(weights, v_codes, v_scales, v_levels, kv_heads, v_bits)
+    return parts.sum(1).reshape(t, kv_heads, groups, dim)

@@ -1,68 +1,111 @@
-"""The Triton kernel of kv_attention.py (imported only where Triton is: it ships with torch's CUDA
-wheels). See kv_attention.py for what it computes and why."""
+"""The Triton kernels of kv_attention.py (imported only where Triton is: it ships with torch's CUDA
+wheels). See kv_attention.py for what they compute, and kv.py for the layout of the codes."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _decode(codes_ptr, scales_ptr, levels_ptr, slots, ok, head, kv_heads, row_bytes,
-            D: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
-    """[BLOCK, D] keys or values of these slots and head, in DOT (bfloat16, as the torch read gives them)."""
-    d = tl.arange(0, D)
-    bit = (d % 8) * BITS  # eight codes to BITS bytes: code i of a group starts at bit i·BITS
-    first = (d // 8) * BITS + bit // 8
-    shift = bit % 8
-    base = codes_ptr + (slots[:, None] * kv_heads + head) * row_bytes
-    low = tl.load(base + first[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    if BITS == 8 or BITS == 4 or BITS == 2:  # never straddles a byte
-        code = (low >> shift[None, :]) & ((1 << BITS) - 1)
-    else:
-        spill = (shift + BITS > 8)[None, :] & ok[:, None]
-        high = tl.load(base + first[None, :] + 1, mask=spill, other=0).to(tl.int32)
-        code = ((low | (high << 8)) >> shift[None, :]) & ((1 << BITS) - 1)
-    level = tl.load(levels_ptr + code)  # [BLOCK, D] float32
-    scale = tl.load(scales_ptr + slots * kv_heads + head, mask=ok, other=0.0).to(tl.float32)
-    return (level * scale[:, None]).to(DOT)
+def _codes(row, ok, start, W0: tl.constexpr, W1: tl.constexpr, LOW: tl.constexpr, CHUNK: tl.constexpr):
+    """[BLOCK, CHUNK] codes of coordinates start .. start + CHUNK of these slots' vectors (row:
+    [BLOCK, 1] pointers to each vector's first 32-bit word; LOW: where its second plane starts).
+    A main-plane word holds F = 32 / W0 whole codes, coordinate F·j + f in field f of word j; the
+    second plane holds the W1 high bits of coordinate d at bit d·W1. The words are taken apart
+    as [BLOCK, words, F] by shifts and read as [BLOCK, CHUNK] in coordinate order, so a chunk reads
+    only its own words. start is a multiple of 32 coordinates (a whole second-plane word)."""
+    F: tl.constexpr = 32 // W0
+    C: tl.constexpr = CHUNK // F
+    j = tl.arange(0, C)
+    f = tl.arange(0, F)
+    main = tl.load(row + (start // F + j)[None, :], mask=ok[:, None], other=0)  # [BLOCK, C]
+    code = (main[:, :, None] >> (f * W0)[None, None, :]) & ((1 << W0) - 1)  # [BLOCK, C, F]
+    if W1 > 0:
+        R: tl.constexpr = W0 // W1  # main words a second-plane word covers
+        low = tl.load(row + LOW + ((start // F + j) // R)[None, :], mask=ok[:, None], other=0)
+        shift = ((j % R) * (32 // R))[:, None] + (f * W1)[None, :]  # [C, F]
+        code = code | (((low[:, :, None] >> shift[None, :, :]) & ((1 << W1) - 1)) << W0)
+    return tl.reshape(code, (row.shape[0], CHUNK))
+
 
 @triton.jit
-def quantized_attention(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, kpos_ptr, pos_ptr,
-                        m_ptr, l_ptr, acc_ptr, S, kv_heads, groups, k_row_bytes, v_row_bytes,
-                        per_share, shares, query_scale, window,
-                        D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                        GROUPS: tl.constexpr, BLOCK: tl.constexpr, DOT: tl.constexpr):
+def _level(code, poly_ptr, WRAP: tl.constexpr, DOT: tl.constexpr):
+    """The levels of codes, in DOT: with u = code - mid, u·(c1 + u²·(c3 + u²·c5)) (kv.py's
+    polynomial_levels; poly_ptr: mid, c1, c3, c5), a few float operations where a table's lookup
+    took an address and a load per code. WRAP (int8): bytes read unsigned whose signed value is
+    wanted, the code plus 128 (wrapped) less 128."""
+    mid = tl.load(poly_ptr)
+    c1 = tl.load(poly_ptr + 1)
+    c3 = tl.load(poly_ptr + 2)
+    c5 = tl.load(poly_ptr + 3)
+    if WRAP:
+        code = (code + 128) & 255
+    # the code as a float by its bits (2**23 + code, exact), without a conversion instruction
+    u = ((code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) - mid
+    u2 = u * u
+    return (u * (c1 + u2 * (c3 + u2 * c5))).to(DOT)
+
+
+@triton.jit
+def key_scores(q_ptr, kw_ptr, ks_ptr, kl_ptr, kpos_ptr, pos_ptr, s_ptr, S, kv_heads, groups, row_words,
+               query_scale, window,
+               D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+               CHUNK: tl.constexpr, DOT: tl.constexpr):
+    """Scores [T·K, groups, S] (float32) of one query row's heads of one KV head against a block of
+    slots: the keys' levels computed from their codes a chunk of coordinates at a time and
+    multiplied with the query's, then scaled by each key's scale; unseen slots at -3e38."""
     row_head = tl.program_id(0)  # t · kv_heads + head
-    share = tl.program_id(1)
+    block = tl.program_id(1)
     t = row_head // kv_heads
     head = row_head % kv_heads
+    slots = block * BLOCK + tl.arange(0, BLOCK)
+    ok = slots < S
     g = tl.arange(0, GROUPS)
-    d = tl.arange(0, D)
     g_ok = g < groups
-    q = tl.load(q_ptr + ((row_head * groups + g[:, None]) * D + d[None, :]), mask=g_ok[:, None],
-                other=0.0).to(DOT)  # [G, D]
+    c = tl.arange(0, CHUNK)
+    row = kw_ptr + ((slots * kv_heads + head) * row_words)[:, None]
+    acc = tl.zeros((GROUPS, BLOCK), dtype=tl.float32)
+    for start in tl.static_range(0, D, CHUNK):
+        k = _level(_codes(row, ok, start, W0, W1, D * W0 // 32, CHUNK), kl_ptr, W0 == 8, DOT)  # [BLOCK, CHUNK]
+        q = tl.load(q_ptr + (row_head * groups + g[:, None]) * D + (start + c)[None, :], mask=g_ok[:, None],
+                    other=0.0)
+        acc += tl.dot(q.to(DOT), tl.trans(k))
+    scale = tl.load(ks_ptr + slots * kv_heads + head, mask=ok, other=0.0).to(tl.float32)
     position = tl.load(pos_ptr + t)
-    most = tl.full((GROUPS,), -3.0e38, dtype=tl.float32)
-    total = tl.zeros((GROUPS,), dtype=tl.float32)
-    summed = tl.zeros((GROUPS, D), dtype=tl.float32)
-    start = share * per_share
+    kpos = tl.load(kpos_ptr + slots, mask=ok, other=-1)
+    seen = ok & (kpos >= 0) & (kpos <= position)
+    if window > 0:
+        seen = seen & (kpos > position - window)
+    scores = tl.where(seen[None, :], acc * (scale * query_scale)[None, :], -3.0e38)
+    tl.store(s_ptr + (row_head * groups + g[:, None]) * S + slots[None, :], scores, mask=g_ok[:, None] & ok[None, :])
+
+
+@triton.jit
+def weighted_values(w_ptr, vw_ptr, vs_ptr, vl_ptr, out_ptr, S, kv_heads, groups, row_words, per_share, shares,
+                    D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+                    CHUNK: tl.constexpr, DOT: tl.constexpr):
+    """One share of the slots' values, weighted, for one chunk of coordinates: [T·K, shares,
+    groups, D] (float32), a program to a query row and KV head, a share of the slots and a chunk.
+    The weights (the softmax, normalized) come from key_scores; each value is scaled before the
+    product."""
+    row_head = tl.program_id(0)
+    share = tl.program_id(1)
+    start = tl.program_id(2) * CHUNK
+    head = row_head % kv_heads
+    g = tl.arange(0, GROUPS)
+    g_ok = g < groups
+    c = tl.arange(0, CHUNK)
+    acc = tl.zeros((GROUPS, CHUNK), dtype=tl.float32)
+    first = share * per_share
     for offset in range(0, per_share, BLOCK):
-        slots = start + offset + tl.arange(0, BLOCK)
+        slots = first + offset + tl.arange(0, BLOCK)
         ok = slots < S
-        kpos = tl.load(kpos_ptr + slots, mask=ok, other=-1)
-        seen = ok & (kpos >= 0) & (kpos <= position)
-        if window > 0:
-            seen = seen & (kpos > position - window)
-        k = _decode(kc_ptr, ks_ptr, kl_ptr, slots, ok, head, kv_heads, k_row_bytes, D, K_BITS, DOT)
-        scores = tl.dot(q, tl.trans(k)) * query_scale  # [G, BLOCK] float32
-        scores = tl.where(seen[None, :], scores, -3.0e38)
-        new_most = tl.maximum(most, tl.max(scores, axis=1))
-        weights = tl.exp(scores - new_most[:, None])
-        kept = tl.exp(most - new_most)
-        total = total * kept + tl.sum(weights, axis=1)
-        v = _decode(vc_ptr, vs_ptr, vl_ptr, slots, ok, head, kv_heads, v_row_bytes, D, V_BITS, DOT)
-        summed = summed * kept[:, None] + tl.dot(weights.to(DOT), v)
-        most = new_most
-    out = (row_head * shares + share) * GROUPS + g
-    tl.store(m_ptr + out, most)
-    tl.store(l_ptr + out, total)
-    tl.store(acc_ptr + out[:, None] * D + d[None, :], summed)
+        w = tl.load(w_ptr + (row_head * groups + g[:, None]) * S + slots[None, :], mask=g_ok[:, None] & ok[None, :],
+                    other=0.0)
+        scale = tl.load(vs_ptr + slots * kv_heads + head, mask=ok, other=0.0).to(tl.float32)
+        row = vw_ptr + ((slots * kv_heads + head) * row_words)[:, None]
+        v = _level(_codes(row, ok, start, W0, W1, D * W0 // 32, CHUNK), vl_ptr, W0 == 8, tl.float32)
+        # the scale on the value, not the weight: a weight times a small scale would fall below
+        # float16's normal range where long caches spread their weights thin
+        acc += tl.dot(w.to(DOT), (v * scale[:, None]).to(DOT))
+    tl.store(out_ptr + ((row_head * shares + share) * groups + g[:, None]) * D + (start + c)[None, :], acc,
+             mask=g_ok[:, None])

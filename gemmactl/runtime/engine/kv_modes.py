@@ -36,6 +36,7 @@ LLAMACPP_VALUE_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 # device memory per token as tq4 saved.
 READ_TEMP_BYTES = 24  # 16 counted as above, and keys at 5 bits unpack through int64 words of 8 codes
 READ_BLOCK_BYTES = 32 << 20
+FUSED_ROWS_MAX = 16  # query rows the fused read takes at once (kv_attention.ROWS_MAX)
 
 
 def read_block_slots(kv_heads: int, head_dim: int) -> int:
@@ -52,8 +53,23 @@ def read_bytes(mode: str | None, slots: int, heads: int, kv_heads: int, head_dim
     if (mode or DEFAULT_MODE) == "bf16":
         return 0
     block = min(slots, read_block_slots(kv_heads, head_dim))
-    return (block * kv_heads * head_dim * (2 * dtype_bytes + READ_TEMP_BYTES) + rows * heads * block * 8
-            + rows * heads * (head_dim + 2) * 4 * 2)
+    by_blocks = (block * kv_heads * head_dim * (2 * dtype_bytes + READ_TEMP_BYTES) + rows * heads * block * 8
+                 + rows * heads * (head_dim + 2) * 4 * 2)
+    # The fused read of a decode or verify step (kv_attention.py) holds every slot's float32 score
+    # of its few rows and their softmax: 8 MiB at one row for an E4B-shaped global layer at 128K,
+    # 128 at sixteen.
+    fused = 2 * min(rows, FUSED_ROWS_MAX) * heads * slots * 4
+    return max(by_blocks, fused)
+
+
+def code_planes(bits: int) -> tuple[int, int]:
+    """How a vector's codes of `bits` bits are stored (kv.py): a main plane of W0 bits a code and,
+    where bits is not a power of two, a second plane of the remaining W1 (0: none), each a little-
+    endian stream of fields that never straddles a 32-bit word: 5 bits as 4 + 1, 3 as 2 + 1."""
+    planes = {8: (8, 0), 6: (4, 2), 5: (4, 1), 4: (4, 0), 3: (2, 1), 2: (2, 0), 1: (1, 0)}
+    if bits not in planes:
+        raise ValueError(f"codes of {bits} bits have no layout here (1 to 6, or 8)")
+    return planes[bits]
 
 
 def pair_bytes(mode: str, head_dim: int, dtype_bytes: int = 2) -> int:

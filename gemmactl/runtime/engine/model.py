@@ -509,7 +509,7 @@ class GemmaModel:
         """The attention of query rows q [T, N, D] over the first held slots of cache, projected."""
         s, t = layer.spec, q.shape[0]
         if cache.mode != "bf16" and cache.device == q.device and not self.spec.attn_softcap \
-                and kv_attention.usable(q.device, t, s.head_dim):
+                and kv_attention.usable(q.device, t, s.head_dim, held):
             return self._scores_fused(layer, q, cache, held, positions)
         if cache.mode != "bf16" and held > cache.read_block:
             return self._scores_by_blocks(layer, q, cache, held, positions)
