@@ -81,6 +81,30 @@ def test_reading_turned_vectors_gives_plain_attention():
     assert torch.allclose(plain, turned, atol=1e-10)
 
 
+@pytest.mark.parametrize("ring", [False, True])
+def test_writing_while_turning_the_queries_stores_what_write_does(ring):
+    """TurboKVCache.write_turning (one product for queries, keys and values, as a decode step on
+    CUDA takes it) stores the codes write stores, but where float rounding moves a coordinate
+    across a level boundary, and returns the queries turned by the rotation."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 64
+    one, two = (make_cache("tq4", 8 if ring else 16, kv_heads, dim, ring, torch.float32, "cpu", seed=3) for _ in range(2))
+    k, v = torch.randn(12, kv_heads, dim) + 0.5, torch.randn(12, kv_heads, dim)
+    for cache in (one, two):
+        cache.begin(k, v)
+    q, positions = torch.randn(12, heads, dim), torch.arange(12)
+    one.write(k, v, positions)
+    turned = two.write_turning(q, k, v, positions)
+    assert torch.allclose(turned, q @ two.rotation_f32, atol=1e-5)
+    assert torch.equal(one.pos, two.pos)
+    assert all(torch.allclose(one.scales[name].float(), two.scales[name].float(), rtol=1e-3) for name in "kv")
+    for name in "kv":
+        moved = (one.codes[name] != two.codes[name]).float().mean()
+        assert moved <= 0.01, (name, float(moved))
+        a, b = one.read(one.slots)[name == "v"], two.read(two.slots)[name == "v"]
+        assert float((a - b).abs().max()) <= 0.5 * float(a.abs().max())
+
+
 @pytest.mark.parametrize("kind", ["gemma3-tiny", "shared-kv"])
 def test_modes_in_the_engine_chunked_or_not_and_their_distance_from_bf16(artifacts, kind, monkeypatch):
     """Prefill whole or in chunks across the sliding window: the same greedy tokens in every mode
@@ -298,8 +322,8 @@ prompt = [2, 818, 5279, 529, 7001, 563, 496, 1401] * 3
 fused, seen = GemmaModel._scores_fused, []
 
 
-def both(self, layer, q, cache, held, positions):
-    got = fused(self, layer, q, cache, held, positions)
+def both(self, layer, q, cache, held, positions, **turned):
+    got = fused(self, layer, q, cache, held, positions, **turned)
     (k, v), key_positions = cache.read(held), cache.pos[:held]
     want = self._scores(layer, q, k, v, key_positions, positions, cache.rotation, cache.value_offset)
     seen.append((layer.spec.kind, q.shape[0], float((got - want).abs().max() / want.abs().max())))
@@ -370,8 +394,8 @@ def test_gpu_fused_read_attends_as_the_torch_read_and_is_captured(artifacts, kin
     engine = GemmaModel(artifacts(kind), device="cuda", dtype=torch.float32, context=64, kv_mode=mode)
     fused, errors = GemmaModel._scores_fused, []
 
-    def both(self, layer, q, cache, held, positions):
-        got = fused(self, layer, q, cache, held, positions)
+    def both(self, layer, q, cache, held, positions, **turned):
+        got = fused(self, layer, q, cache, held, positions, **turned)
         (k, v), key_positions = cache.read(held), cache.pos[:held]
         want = self._scores(layer, q, k, v, key_positions, positions, cache.rotation, cache.value_offset)
         errors.append(float((got - want).abs().max() / want.abs().max()))

@@ -304,7 +304,26 @@ class TurboKVCache(CenteredKVCache):
         return x @ self.rotation_f32
 
     def _encode(self, x, name):
-        turned = x.float() @ self.rotation_f32  # [T, K, D]
+        return self._quantize(x.float() @ self.rotation_f32, name)
+
+    def write_turning(self, q, k, v, positions) -> torch.Tensor:
+        """write(k, v, positions) and return the queries q [T, N, D] turned (float32), the three
+        turned in one product: in a decode step each is a few rows, so each product costs about its
+        launch, and the fused read would otherwise turn the queries in one more (kv_attention.py
+        takes them turned)."""
+        heads, kv_heads = q.shape[1], k.shape[1]
+        centred = (q.float(), k.float() - self.centres["k"], v.float() - self.centres["v"])
+        turned_q, k, v = (torch.cat(centred, 1) @ self.rotation_f32).split((heads, kv_heads, kv_heads), 1)
+        k, v, positions, slots = self._slots_for(k, v, positions)
+        for name, x in (("k", k), ("v", v)):
+            codes, scale = self._quantize(x, name)
+            self.codes[name].index_copy_(0, slots, codes)
+            self.scales[name].index_copy_(0, slots, scale)
+        self.pos.index_copy_(0, slots, positions)
+        return turned_q
+
+    def _quantize(self, turned, name):
+        """Codes and scales of vectors [T, K, D] already turned (float32)."""
         scale = turned.pow(2).mean(-1).sqrt().to(torch.float16)  # [T, K]
         safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float().unsqueeze(-1)
         codes = torch.bucketize(turned / safe, self.edges[name]).to(torch.uint8)  # [T, K, D] in 0 .. 2**bits - 1
