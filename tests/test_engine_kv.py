@@ -81,6 +81,18 @@ def test_reading_turned_vectors_gives_plain_attention():
     assert torch.allclose(plain, turned, atol=1e-10)
 
 
+def test_the_fused_read_refuses_head_dims_its_kernels_do_not_take():
+    """A head dim that is not a power of two from 32 would have the kernels read past a vector's
+    chunk or leave part of one unwritten: refused before any launch (the engine asks usable())."""
+    from gemmactl.runtime.engine import kv_attention
+
+    assert kv_attention.shape_fits(64) and kv_attention.shape_fits(512)
+    assert not any(kv_attention.shape_fits(d) for d in (16, 48, 96, 192, 320))
+    cache = make_cache("int8", 8, 1, 192, False, torch.float32, "cpu")
+    parts = cache.fused_parts(8)
+    with pytest.raises(ValueError, match="powers of two"):
+        kv_attention.quantized_attention(torch.zeros(1, 1, 2, 192), *parts["k"], *parts["v"], cache.pos,
+                                         torch.tensor([0]), 8, 8, 1.0, 0)
 @pytest.mark.parametrize("ring", [False, True])
 def test_writing_while_turning_the_queries_stores_what_write_does(ring):
     """TurboKVCache.write_turning (one product for queries, keys and values, as a decode step on
@@ -423,8 +435,10 @@ def test_gpu_fused_read_attends_as_the_torch_read_and_is_captured(artifacts, kin
 
         q = torch.randn(1, cache.kv_heads, groups, cache.head_dim, device=engine.device)
         alone = read(q)
+        # inductor's softmax may round a weight's last bit otherwise, which can move its float16
+        # product by a rounding step (5e-4 of one term)
         assert float((torch.compile(read, fullgraph=True, dynamic=False)(q) - alone).abs().max()) <= \
-            1e-5 * float(alone.abs().max())
+            1e-3 * float(alone.abs().max())
         return
     eager = _logits_along(engine, PROMPT, expected)
     # The same logits up to rounding (a tiny random model's near-ties would turn on it), and the

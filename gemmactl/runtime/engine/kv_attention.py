@@ -59,6 +59,12 @@ PROGRAMS_PER_SM = 4  # the values' programs: enough to keep each multiprocessor'
 MIN_SLOTS_ENV = "GEMMACTL_KV_KERNEL_MIN_SLOTS"  # caches shorter than this are read by torch (default 0: none)
 
 
+def shape_fits(head_dim: int) -> bool:
+    """Whether the kernels take vectors of head_dim coordinates: a power of two, 32 at least (a
+    chunk of coordinates is min(128, head_dim) and starts on a whole second-plane word)."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
 def usable(device, rows: int, head_dim: int, slots: int | None = None) -> bool:
     """Whether the fused read takes rows query rows of head_dim (over slots slots) on device: CUDA
     with Triton (unless ENV is off), or Triton's CPU interpreter when ENV is on (the tests' way to
@@ -66,7 +72,7 @@ def usable(device, rows: int, head_dim: int, slots: int | None = None) -> bool:
     a fused step compiles with its neighbours, where the kernel's several launches cost more than
     the read; to measure (not yet measured)."""
     setting = os.environ.get(ENV, "auto")
-    if setting == "off" or rows > ROWS_MAX or head_dim & (head_dim - 1) or head_dim % 32:
+    if setting == "off" or rows > ROWS_MAX or not shape_fits(head_dim):
         return False
     if slots is not None and slots < int(os.environ.get(MIN_SLOTS_ENV, "0")):
         return False
@@ -159,7 +165,7 @@ def _(weights, v_codes, v_scales, v_levels, kv_heads, v_bits):
     rows, groups, slots = weights.shape
     dim = v_codes.shape[-1] * 8 // v_bits
     shares, _ = shares_for(slots, rows * (dim // min(VALUE_CHUNK, dim)), weights.device)
-    return weights.new_empty((rows, shares, groups, dim))
+    return weights.new_empty((rows, shares, groups, dim), dtype=torch.float32)
 
 
 def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, k_levels: torch.Tensor,
@@ -173,6 +179,8 @@ def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.
     seen when written, at or before the row's position, and within window (0: no window).
     Returns [T, K, g, D] in float32."""
     t, kv_heads, groups, dim = q.shape
+    if not shape_fits(dim):  # the kernels would read past a vector's chunk, or leave part of one unwritten
+        raise ValueError(f"the fused KV read takes head dims that are powers of two from 32, not {dim}")
     scores = quantized_key_scores(q, k_codes, k_scales, k_levels, key_positions, positions, k_bits, query_scale,
                                   window)
     # The softmax over a few rows' scores (16 bytes a slot and KV head for Gemma 4's 4 query heads a

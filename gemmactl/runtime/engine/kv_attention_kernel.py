@@ -64,6 +64,7 @@ def key_scores(q_ptr, kw_ptr, ks_ptr, kl_ptr, kpos_ptr, pos_ptr, s_ptr, S, kv_he
     c = tl.arange(0, CHUNK)
     row = kw_ptr + ((slots * kv_heads + head) * row_words)[:, None]
     acc = tl.zeros((GROUPS, BLOCK), dtype=tl.float32)
+    # An 8-bit plane is int8's alone (kv_modes.code_planes): its bytes wrap to signed values.
     for start in tl.static_range(0, D, CHUNK):
         k = _level(_codes(row, ok, start, W0, W1, D * W0 // 32, CHUNK), kl_ptr, W0 == 8, DOT)  # [BLOCK, CHUNK]
         q = tl.load(q_ptr + (row_head * groups + g[:, None]) * D + (start + c)[None, :], mask=g_ok[:, None],
