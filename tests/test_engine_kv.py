@@ -295,6 +295,40 @@ def test_rope_tables_equal_transformers_rotary_modules(artifacts, kind, yarn, dt
         assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), kind_name
 
 
+def check_turned_write(device):
+    """The write's kernel (kv_turn.py, TurboKVCache.write_turning where it runs) against the torch
+    write (write): every turbo mode, head dims from 32 to 512, one or a few tokens, a ring that
+    wraps. The same scales and the same codes but where the products' rounding moves a coordinate
+    across a level's edge (then by one level), the queries turned as by the rotation."""
+    import torch
+
+    from gemmactl.runtime.engine import kv_turn
+    from gemmactl.runtime.engine.kv import TurboKVCache, make_cache
+
+    torch.manual_seed(1)
+    for mode in ("tq4", "tq3"):
+        for dim, rows, ring in ((32, 1, False), (64, 3, True), (256, 2, False), (512, 1, True)):
+            assert kv_turn.usable(device, rows, dim), (mode, dim)
+            one, two = (make_cache(mode, 8, 2, dim, ring, torch.float32, device, seed=5) for _ in range(2))
+            first = torch.randn(6, 2, dim, device=device) * 2 + 0.5, torch.randn(6, 2, dim, device=device)
+            for cache in (one, two):
+                cache.begin(*first)
+            for at in (0, 6):  # a ring of 8 wraps at the second
+                positions = torch.arange(at, at + rows, device=device)
+                q = torch.randn(rows, 4, dim, device=device) * 3
+                k, v = torch.randn(rows, 2, dim, device=device) * 2 + 0.5, torch.randn(rows, 2, dim, device=device)
+                one.write(k, v, positions)
+                turned = two.write_turning(q, k, v, positions)
+                want = q @ two.rotation_f32
+                assert (turned - want).abs().max() <= 1e-5 * want.abs().max(), (mode, dim)
+            assert torch.equal(one.pos, two.pos)
+            for name in "kv":
+                assert torch.allclose(one.scales[name].float(), two.scales[name].float(), rtol=1e-3), (mode, dim, name)
+                a, b = (TurboKVCache._unpack(c.codes[name], c.bits[name]).long() for c in (one, two))
+                moved = a != b
+                assert float(moved.float().mean()) <= 0.01 and int((a - b).abs().max()) <= 1, (mode, dim, name)
+
+
 _INTERPRETED_READ = """
 import sys, torch
 from gemmactl.formats.int4.reader import open_artifact
@@ -324,6 +358,11 @@ for mode in ("int8", "tq4", "tq3") if sys.argv[2] == "alone" else ():
         got = kv_attention.quantized_attention(q, *parts["k"], *parts["v"], cache.pos, positions, parts["k_bits"],
                                                parts["v_bits"], 0.125, window)
         assert (got - want).abs().max() <= 0.02 * want.abs().max(), (mode, slots, rows, window)
+
+# the write's kernel (kv_turn.py) against the torch write (check_turned_write, defined above)
+kv_attention.os.environ[kv_attention.ENV] = "on"
+if sys.argv[2] == "alone":
+    check_turned_write("cpu")
 
 # the engine: at every read the fused path takes, the torch read of the same cache and queries
 # beside it (compared call by call: a random tiny model's logits amplify float16 rounding over
@@ -368,6 +407,7 @@ def test_the_fused_read_of_a_quantized_cache_attends_as_the_torch_read(artifacts
     over the decoded cache for every mode; in the engine, each read it makes beside the torch read of
     the same cache and queries, prefill in chunks and decode, reading the written slots or every
     slot (as a captured step does). On CUDA the engine takes it by default."""
+    import inspect
     import os
     import subprocess
     import sys
@@ -375,10 +415,19 @@ def test_the_fused_read_of_a_quantized_cache_attends_as_the_torch_read(artifacts
     pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
     artifact = artifacts(kind)
     alone = "alone" if kind == "gemma3-tiny" else "engine"
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_READ, str(artifact.path), alone], capture_output=True,
+    script = inspect.getsource(check_turned_write) + _INTERPRETED_READ
+    proc = subprocess.run([sys.executable, "-c", script, str(artifact.path), alone], capture_output=True,
                           text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+@pytest.mark.gpu
+def test_gpu_turned_write_stores_what_write_does(monkeypatch):
+    """The write's kernel on CUDA (Triton compiled for the GPU, not the interpreter) against the
+    torch write, as check_turned_write holds it."""
+    monkeypatch.delenv("GEMMACTL_KV_KERNEL", raising=False)
+    check_turned_write("cuda")
 
 
 @pytest.mark.gpu
