@@ -24,15 +24,32 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
 from gemmactl.runtime.engine import kv_attention
+from gemmactl.runtime.engine.gemv_common import tile_setting
 from gemmactl.runtime.engine.kv_modes import FUSED_ROWS_MAX, code_planes
 
 ROWS = 16  # vectors a program takes (tl.dot's least)
-CHUNK = 64  # coordinates of the turned vectors a program computes
-PART = 64  # coordinates of the contraction a product takes at a time
+TILE_ENV = "GEMMACTL_KV_TURN_TILE"  # "CHUNK,PART,WARPS": another tile, to measure it
+
+
+class Tile(NamedTuple):
+    chunk: int  # coordinates of the turned vectors a program computes
+    part: int  # coordinates of the contraction a product takes at a time
+    warps: int
+    programs_per_sm: int = 1  # (tile_setting's field; one program a chunk here)
+
+
+DEFAULT_TILE = Tile(64, 64, 4)
+
+
+@functools.cache
+def tile() -> Tile:
+    forced = tile_setting(TILE_ENV, Tile, "CHUNK,PART,WARPS", "64,64,4")
+    return DEFAULT_TILE if forced is None else forced
 
 
 def usable(device, rows: int, head_dim: int) -> bool:
@@ -67,12 +84,13 @@ def turned_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_centre: to
     v0, v1 = code_planes(v_bits)
     out = torch.empty((t, heads, dim), dtype=torch.float32, device=q.device)
     rows = t * (heads + 2 * kv_heads)
-    chunk = min(CHUNK, dim)
+    chunk, part, warps, _ = tile()
+    chunk, part = min(chunk, dim), min(part, dim)
     kv_turn_kernel.turned_write[(triton.cdiv(rows, ROWS), dim // chunk)](
         q.contiguous(), k.contiguous(), v.contiguous(), k_centre, v_centre, signs, hadamard(dim, str(q.device)),
         k_edges, v_edges, k_codes, v_codes, k_scales, v_scales, slots, out, rows, heads, kv_heads,
-        1.0 / math.sqrt(dim), D=dim, ROWS=ROWS, CHUNK=chunk, PART=min(PART, dim), KW0=k0, KW1=k1, VW0=v0, VW1=v1,
-        K_EDGES=k_edges.shape[0], V_EDGES=v_edges.shape[0], num_warps=4)
+        1.0 / math.sqrt(dim), D=dim, ROWS=ROWS, CHUNK=chunk, PART=part, KW0=k0, KW1=k1, VW0=v0, VW1=v1,
+        K_EDGES=k_edges.shape[0], V_EDGES=v_edges.shape[0], num_warps=warps)
     return out
 
 

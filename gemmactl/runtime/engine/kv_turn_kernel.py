@@ -30,7 +30,7 @@ def _codes(u, edge_ptr, EDGES: tl.constexpr):
     """Codes of u [ROWS, CHUNK] (coordinates over their vector's scale): how many of the EDGES
     boundaries between levels lie below each, as torch.bucketize counts them."""
     code = tl.zeros(u.shape, dtype=tl.int32)
-    for e in range(EDGES):
+    for e in tl.static_range(EDGES):  # unrolled, so the edges' loads need not wait on each other
         code += (u > tl.load(edge_ptr + e)).to(tl.int32)
     return code
 
