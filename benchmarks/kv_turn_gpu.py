@@ -1,6 +1,6 @@
 """A decode step's write to a turbo KV cache on the GPU: the one kernel (kv_turn.py) against the
-torch write it replaces (the queries, keys and values turned by one float32 product, then
-quantized, packed and stored), each captured in a CUDA graph and replayed as a decode step runs
+torch it replaces (the queries turned by one product, then the cache's write: keys and values
+turned in float32, quantized, packed and stored), each captured in a CUDA graph and replayed as a decode step runs
 it, for each tile given.
 
     python benchmarks/kv_turn_gpu.py [--mode tq4] [--heads 8 --kv-heads 2] [--dims 256 512]
@@ -37,10 +37,9 @@ def measure(mode: str, heads: int, kv_heads: int, dim: int, tiles: list[str]) ->
     k, v = (torch.randn(1, kv_heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     positions = torch.tensor([100], device="cuda")
 
-    def torch_write():
-        centred = (q.float(), k.float() - cache.centres["k"], v.float() - cache.centres["v"])
-        turned = torch.cat(centred, 1) @ cache.rotation_f32
-        cache.write(k, v, positions)  # its own turn of k and v: the reference as write() runs it
+    def torch_write():  # as the step did before the kernel: the queries turned, then write()
+        turned = q @ cache.rotation
+        cache.write(k, v, positions)
         return turned
 
     row = {"dim": dim, "torch_us": round(1000 * time_ms(torch_write, graph=True), 2), "kernel_us": {}}
