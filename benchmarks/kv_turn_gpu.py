@@ -1,7 +1,7 @@
 """A decode step's write to a turbo KV cache on the GPU: the one kernel (kv_turn.py) against the
 torch it replaces (the queries turned by one product, then the cache's write: keys and values
-turned in float32, quantized, packed and stored), each captured in a CUDA graph and replayed as a decode step runs
-it, for each tile given.
+turned in float32, quantized, packed and stored), each captured in a CUDA graph and replayed as a
+decode step runs it, for each tile given.
 
     python benchmarks/kv_turn_gpu.py [--mode tq4] [--heads 8 --kv-heads 2] [--dims 256 512]
                                      [--tiles 64,64,4 32,64,4] [--out FILE]
