@@ -319,10 +319,9 @@ class TurboKVCache(CenteredKVCache):
         t = k.shape[0]
         if not (self.ring and t > self.slots) and kv_turn.usable(q.device, t, self.head_dim):
             _, _, positions, slots = self._slots_for(k, v, positions)
-            high, low = kv_turn.split_turn_rows(q, k, v, self.centres["k"], self.centres["v"], self.signs)
-            turned_q = kv_turn.turned_write(high, low, self.edges["k"], self.edges["v"], self.codes["k"],
-                                            self.scales["k"], self.codes["v"], self.scales["v"], slots, q.shape[1],
-                                            k.shape[1], self.bits["k"], self.bits["v"])
+            turned_q = kv_turn.turned_write(q, k, v, self.centres["k"], self.centres["v"], self.signs,
+                                            self.edges["k"], self.edges["v"], self.codes["k"], self.scales["k"],
+                                            self.codes["v"], self.scales["v"], slots, self.bits["k"], self.bits["v"])
             self.pos.index_copy_(0, slots, positions)
             return turned_q
         heads, kv_heads = q.shape[1], k.shape[1]

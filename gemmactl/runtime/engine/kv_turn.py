@@ -66,44 +66,35 @@ def hadamard(dim: int, device: str) -> torch.Tensor:
     return h.to(device=device, dtype=torch.float16)
 
 
-def split_turn_rows(q, k, v, k_centre, v_centre, signs) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the kernel takes: a step's queries, keys and values less their centres, times the
-    rotation's signs, as rows [T·(N + 2K), D] (each token's queries, keys, values), split in their
-    float16 part and the float16 part of what it leaves. Plain torch, so a compiled step fuses it
-    with the norms and rope that make q, k and v."""
-    rows = torch.cat((q.float(), k.float() - k_centre, v.float() - v_centre), 1) * signs
-    rows = rows.reshape(-1, rows.shape[-1])
-    high = rows.to(torch.float16)
-    return high, (rows - high.float()).to(torch.float16)
-
-
 @torch.library.custom_op("gemmactl::turned_write",
                          mutates_args=("k_codes", "k_scales", "v_codes", "v_scales"))
-def turned_write(high: torch.Tensor, low: torch.Tensor, k_edges: torch.Tensor, v_edges: torch.Tensor,
-                 k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor, v_scales: torch.Tensor,
-                 slots: torch.Tensor, heads: int, kv_heads: int, k_bits: int, v_bits: int) -> torch.Tensor:
-    """Rows (split_turn_rows) of T tokens turned: the keys and values quantized and stored at slots
-    [T] of the codes [S, K, D·bits/8] (uint8) and scales [S, K] (fp16); returns the queries turned,
-    [T, N, D] (float32)."""
+def turned_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_centre: torch.Tensor, v_centre: torch.Tensor,
+                 signs: torch.Tensor, k_edges: torch.Tensor, v_edges: torch.Tensor, k_codes: torch.Tensor,
+                 k_scales: torch.Tensor, v_codes: torch.Tensor, v_scales: torch.Tensor, slots: torch.Tensor,
+                 k_bits: int, v_bits: int) -> torch.Tensor:
+    """Store k, v [T, K, D] less their centres [K, D], turned and quantized, at slots [T] of the
+    codes [S, K, D·bits/8] (uint8) and scales [S, K] (fp16); return q [T, N, D] turned (float32)."""
     import triton
 
     from gemmactl.runtime.engine import kv_turn_kernel
 
-    rows, dim = high.shape
-    t = rows // (heads + 2 * kv_heads)
+    t, heads, dim = q.shape
+    kv_heads = k.shape[1]
     k0, k1 = code_planes(k_bits)
     v0, v1 = code_planes(v_bits)
-    out = torch.empty((t, heads, dim), dtype=torch.float32, device=high.device)
+    out = torch.empty((t, heads, dim), dtype=torch.float32, device=q.device)
+    rows = t * (heads + 2 * kv_heads)
     chunk, part, warps, _ = tile()
     chunk, part = min(chunk, dim), min(part, dim)
     kv_turn_kernel.turned_write[(triton.cdiv(rows, ROWS), dim // chunk)](
-        high.contiguous(), low.contiguous(), hadamard(dim, str(high.device)), k_edges, v_edges, k_codes, v_codes,
-        k_scales, v_scales, slots, out, rows, heads, kv_heads, 1.0 / math.sqrt(dim), D=dim, ROWS=ROWS, CHUNK=chunk,
-        PART=part, KW0=k0, KW1=k1, VW0=v0, VW1=v1, num_warps=warps)
+        q.contiguous(), k.contiguous(), v.contiguous(), k_centre, v_centre, signs, hadamard(dim, str(q.device)),
+        k_edges, v_edges, k_codes, v_codes, k_scales, v_scales, slots, out, rows, heads, kv_heads,
+        1.0 / math.sqrt(dim), D=dim, ROWS=ROWS, CHUNK=chunk, PART=part, KW0=k0, KW1=k1, VW0=v0, VW1=v1,
+        K_EDGES=k_edges.shape[0], V_EDGES=v_edges.shape[0], num_warps=warps)
     return out
 
 
 @turned_write.register_fake
-def _(high, low, k_edges, v_edges, k_codes, k_scales, v_codes, v_scales, slots, heads, kv_heads, k_bits, v_bits):
-    rows, dim = high.shape
-    return high.new_empty((rows // (heads + 2 * kv_heads), heads, dim), dtype=torch.float32)
+def _(q, k, v, k_centre, v_centre, signs, k_edges, v_edges, k_codes, k_scales, v_codes, v_scales, slots, k_bits,
+      v_bits):
+    return q.new_empty(q.shape, dtype=torch.float32)
