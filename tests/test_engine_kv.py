@@ -93,14 +93,18 @@ def test_the_fused_read_refuses_head_dims_its_kernels_do_not_take():
     with pytest.raises(ValueError, match="powers of two"):
         kv_attention.quantized_attention(torch.zeros(1, 1, 2, 192), *parts["k"], *parts["v"], cache.pos,
                                          torch.tensor([0]), 8, 8, 1.0, 0)
+
+
 @pytest.mark.parametrize("ring", [False, True])
 def test_writing_while_turning_the_queries_stores_what_write_does(ring):
-    """TurboKVCache.write_turning (one product for queries, keys and values, as a decode step on
-    CUDA takes it) stores the codes write stores, but where float rounding moves a coordinate
-    across a level boundary, and returns the queries turned by the rotation."""
+    """TurboKVCache.write_turning where its kernel does not run (one product for queries, keys and
+    values) stores the codes write stores, but where float rounding moves a coordinate across a
+    level boundary, and returns the queries turned by the rotation. check_turned_write holds the
+    kernel the same way."""
     torch.manual_seed(0)
     heads, kv_heads, dim = 4, 2, 64
-    one, two = (make_cache("tq4", 8 if ring else 16, kv_heads, dim, ring, torch.float32, "cpu", seed=3) for _ in range(2))
+    one, two = (make_cache("tq4", 8 if ring else 16, kv_heads, dim, ring, torch.float32, "cpu", seed=3)
+                for _ in range(2))
     k, v = torch.randn(12, kv_heads, dim) + 0.5, torch.randn(12, kv_heads, dim)
     for cache in (one, two):
         cache.begin(k, v)
