@@ -497,8 +497,9 @@ class GemmaModel:
                 rotation, offset = cache.rotation, cache.value_offset
                 return self._scores(layer, q, *keys, positions, rotation.to(here) if rotation is not None else None,
                                     offset.to(here) if offset is not None else None)
-            if cache.rotation is not None and not (rows_as_decode and t > 1) and self._reads_fused(layer, cache, q, held):
-                turned = cache.write_turning(q, k, v, positions)  # one product for the three
+            if cache.rotation is not None and not (rows_as_decode and t > 1) \
+                    and self._reads_fused(layer, cache, q, held):
+                turned = cache.write_turning(q, k, v, positions)  # the queries turned too (one kernel on CUDA)
             else:
                 cache.write(k.to(home), v.to(home), positions.to(home))
         if rows_as_decode and t > 1:
