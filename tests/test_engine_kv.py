@@ -95,6 +95,32 @@ def test_the_fused_read_refuses_head_dims_its_kernels_do_not_take():
                                          torch.tensor([0]), 8, 8, 1.0, 0)
 
 
+@pytest.mark.parametrize("ring", [False, True])
+def test_writing_while_turning_the_queries_stores_what_write_does(ring):
+    """TurboKVCache.write_turning where its kernel does not run (one product for queries, keys and
+    values) stores the codes write stores, but where float rounding moves a coordinate across a
+    level boundary, and returns the queries turned by the rotation. check_turned_write holds the
+    kernel the same way."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 64
+    one, two = (make_cache("tq4", 8 if ring else 16, kv_heads, dim, ring, torch.float32, "cpu", seed=3)
+                for _ in range(2))
+    k, v = torch.randn(12, kv_heads, dim) + 0.5, torch.randn(12, kv_heads, dim)
+    for cache in (one, two):
+        cache.begin(k, v)
+    q, positions = torch.randn(12, heads, dim), torch.arange(12)
+    one.write(k, v, positions)
+    turned = two.write_turning(q, k, v, positions)
+    assert torch.allclose(turned, q @ two.rotation_f32, atol=1e-5)
+    assert torch.equal(one.pos, two.pos)
+    assert all(torch.allclose(one.scales[name].float(), two.scales[name].float(), rtol=1e-3) for name in "kv")
+    for name in "kv":
+        moved = (one.codes[name] != two.codes[name]).float().mean()
+        assert moved <= 0.01, (name, float(moved))
+        a, b = one.read(one.slots)[name == "v"], two.read(two.slots)[name == "v"]
+        assert float((a - b).abs().max()) <= 0.5 * float(a.abs().max())
+
+
 @pytest.mark.parametrize("kind", ["gemma3-tiny", "shared-kv"])
 def test_modes_in_the_engine_chunked_or_not_and_their_distance_from_bf16(artifacts, kind, monkeypatch):
     """Prefill whole or in chunks across the sliding window: the same greedy tokens in every mode
@@ -273,6 +299,40 @@ def test_rope_tables_equal_transformers_rotary_modules(artifacts, kind, yarn, dt
         assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), kind_name
 
 
+def check_turned_write(device):
+    """The write's kernel (kv_turn.py, TurboKVCache.write_turning where it runs) against the torch
+    write (write): every turbo mode, head dims from 32 to 512, one or a few tokens, a ring that
+    wraps. The same scales and the same codes but where the products' rounding moves a coordinate
+    across a level's edge (then by one level), the queries turned as by the rotation."""
+    import torch
+
+    from gemmactl.runtime.engine import kv_turn
+    from gemmactl.runtime.engine.kv import TurboKVCache, make_cache
+
+    torch.manual_seed(1)
+    for mode in ("tq4", "tq3"):
+        for dim, rows, ring in ((32, 1, False), (64, 3, True), (256, 2, False), (512, 1, True)):
+            assert kv_turn.usable(device, rows, dim), (mode, dim)
+            one, two = (make_cache(mode, 8, 2, dim, ring, torch.float32, device, seed=5) for _ in range(2))
+            first = torch.randn(6, 2, dim, device=device) * 2 + 0.5, torch.randn(6, 2, dim, device=device)
+            for cache in (one, two):
+                cache.begin(*first)
+            for at in (0, 6):  # a ring of 8 wraps at the second
+                positions = torch.arange(at, at + rows, device=device)
+                q = torch.randn(rows, 4, dim, device=device) * 3
+                k, v = torch.randn(rows, 2, dim, device=device) * 2 + 0.5, torch.randn(rows, 2, dim, device=device)
+                one.write(k, v, positions)
+                turned = two.write_turning(q, k, v, positions)
+                want = q @ two.rotation_f32
+                assert (turned - want).abs().max() <= 1e-5 * want.abs().max(), (mode, dim)
+            assert torch.equal(one.pos, two.pos)
+            for name in "kv":
+                assert torch.allclose(one.scales[name].float(), two.scales[name].float(), rtol=1e-3), (mode, dim, name)
+                a, b = (TurboKVCache._unpack(c.codes[name], c.bits[name]).long() for c in (one, two))
+                moved = a != b
+                assert float(moved.float().mean()) <= 0.01 and int((a - b).abs().max()) <= 1, (mode, dim, name)
+
+
 _INTERPRETED_READ = """
 import sys, torch
 from gemmactl.formats.int4.reader import open_artifact
@@ -303,6 +363,11 @@ for mode in ("int8", "tq4", "tq3") if sys.argv[2] == "alone" else ():
                                                parts["v_bits"], 0.125, window)
         assert (got - want).abs().max() <= 0.02 * want.abs().max(), (mode, slots, rows, window)
 
+# the write's kernel (kv_turn.py) against the torch write (check_turned_write, defined above)
+kv_attention.os.environ[kv_attention.ENV] = "on"
+if sys.argv[2] == "alone":
+    check_turned_write("cpu")
+
 # the engine: at every read the fused path takes, the torch read of the same cache and queries
 # beside it (compared call by call: a random tiny model's logits amplify float16 rounding over
 # its layers and steps), prefill in chunks the kernel takes, then decode; reading the written
@@ -312,8 +377,8 @@ prompt = [2, 818, 5279, 529, 7001, 563, 496, 1401] * 3
 fused, seen = GemmaModel._scores_fused, []
 
 
-def both(self, layer, q, cache, held, positions):
-    got = fused(self, layer, q, cache, held, positions)
+def both(self, layer, q, cache, held, positions, **turned):
+    got = fused(self, layer, q, cache, held, positions, **turned)
     (k, v), key_positions = cache.read(held), cache.pos[:held]
     want = self._scores(layer, q, k, v, key_positions, positions, cache.rotation, cache.value_offset)
     seen.append((layer.spec.kind, q.shape[0], float((got - want).abs().max() / want.abs().max())))
@@ -346,6 +411,7 @@ def test_the_fused_read_of_a_quantized_cache_attends_as_the_torch_read(artifacts
     over the decoded cache for every mode; in the engine, each read it makes beside the torch read of
     the same cache and queries, prefill in chunks and decode, reading the written slots or every
     slot (as a captured step does). On CUDA the engine takes it by default."""
+    import inspect
     import os
     import subprocess
     import sys
@@ -353,10 +419,19 @@ def test_the_fused_read_of_a_quantized_cache_attends_as_the_torch_read(artifacts
     pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
     artifact = artifacts(kind)
     alone = "alone" if kind == "gemma3-tiny" else "engine"
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_READ, str(artifact.path), alone], capture_output=True,
+    script = inspect.getsource(check_turned_write) + _INTERPRETED_READ
+    proc = subprocess.run([sys.executable, "-c", script, str(artifact.path), alone], capture_output=True,
                           text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+@pytest.mark.gpu
+def test_gpu_turned_write_stores_what_write_does(monkeypatch):
+    """The write's kernel on CUDA (Triton compiled for the GPU, not the interpreter) against the
+    torch write, as check_turned_write holds it."""
+    monkeypatch.delenv("GEMMACTL_KV_KERNEL", raising=False)
+    check_turned_write("cuda")
 
 
 @pytest.mark.gpu
@@ -384,8 +459,8 @@ def test_gpu_fused_read_attends_as_the_torch_read_and_is_captured(artifacts, kin
     engine = GemmaModel(artifacts(kind), device="cuda", dtype=torch.float32, context=64, kv_mode=mode)
     fused, errors = GemmaModel._scores_fused, []
 
-    def both(self, layer, q, cache, held, positions):
-        got = fused(self, layer, q, cache, held, positions)
+    def both(self, layer, q, cache, held, positions, **turned):
+        got = fused(self, layer, q, cache, held, positions, **turned)
         (k, v), key_positions = cache.read(held), cache.pos[:held]
         want = self._scores(layer, q, k, v, key_positions, positions, cache.rotation, cache.value_offset)
         errors.append(float((got - want).abs().max() / want.abs().max()))

@@ -293,6 +293,9 @@ class TurboKVCache(CenteredKVCache):
             self.tables[name] = torch.tensor(coefficients, dtype=torch.float32, device=device)
         self.rotation_f32 = hadamard_rotation(head_dim, seed).to(device)
         self.rotation = self.rotation_f32.to(dtype)
+        # the rotation's signs (a Hadamard matrix's first column is all ones): what kv_turn.py's
+        # kernel takes beside the ±1 matrix
+        self.signs = torch.sign(self.rotation_f32[:, 0]).contiguous()
         super().__init__(slots, kv_heads, head_dim, ring, dtype, device)
 
     _code_dtype = torch.uint8
@@ -304,7 +307,36 @@ class TurboKVCache(CenteredKVCache):
         return x @ self.rotation_f32
 
     def _encode(self, x, name):
-        turned = x.float() @ self.rotation_f32  # [T, K, D]
+        return self._quantize(x.float() @ self.rotation_f32, name)
+
+    def write_turning(self, q, k, v, positions) -> torch.Tensor:
+        """write(k, v, positions) and return the queries q [T, N, D] turned (float32), for the fused
+        read (kv_attention.py takes them turned). A decode step's few vectors go to one kernel
+        (kv_turn.py) where it runs: otherwise each product and quantizing step costs about its
+        launch; elsewhere the three are turned in one product."""
+        from gemmactl.runtime.engine import kv_turn
+
+        t = k.shape[0]
+        if not (self.ring and t > self.slots) and kv_turn.usable(q.device, t, self.head_dim):
+            _, _, positions, slots = self._slots_for(k, v, positions)
+            turned_q = kv_turn.turned_write(q, k, v, self.centres["k"], self.centres["v"], self.signs,
+                                            self.edges["k"], self.edges["v"], self.codes["k"], self.scales["k"],
+                                            self.codes["v"], self.scales["v"], slots, self.bits["k"], self.bits["v"])
+            self.pos.index_copy_(0, slots, positions)
+            return turned_q
+        heads, kv_heads = q.shape[1], k.shape[1]
+        centred = (q.float(), k.float() - self.centres["k"], v.float() - self.centres["v"])
+        turned_q, k, v = (torch.cat(centred, 1) @ self.rotation_f32).split((heads, kv_heads, kv_heads), 1)
+        k, v, positions, slots = self._slots_for(k, v, positions)
+        for name, x in (("k", k), ("v", v)):
+            codes, scale = self._quantize(x, name)
+            self.codes[name].index_copy_(0, slots, codes)
+            self.scales[name].index_copy_(0, slots, scale)
+        self.pos.index_copy_(0, slots, positions)
+        return turned_q
+
+    def _quantize(self, turned, name):
+        """Codes and scales of vectors [T, K, D] already turned (float32)."""
         scale = turned.pow(2).mean(-1).sqrt().to(torch.float16)  # [T, K]
         safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float().unsqueeze(-1)
         codes = torch.bucketize(turned / safe, self.edges[name]).to(torch.uint8)  # [T, K, D] in 0 .. 2**bits - 1

@@ -472,6 +472,8 @@ class GemmaModel:
         # A host layer's cache stays on the host when a prefill chunk computes the layer on the
         # device: its keys are written there and read back here (a few MB a chunk).
         home, here = cache.device, h.device
+        held = cache.slots if end is None else min(cache.slots, end)  # a ring fills slots 0.. first
+        turned = None  # the queries turned by the cache's rotation, where the write turned them
         if s.owns_kv:
             k = found["k"].reshape(t, s.kv_heads, s.head_dim)  # [T, K, D]
             v = found["v"].reshape(t, s.kv_heads, s.head_dim) if "v" in found else k
@@ -495,22 +497,29 @@ class GemmaModel:
                 rotation, offset = cache.rotation, cache.value_offset
                 return self._scores(layer, q, *keys, positions, rotation.to(here) if rotation is not None else None,
                                     offset.to(here) if offset is not None else None)
-            cache.write(k.to(home), v.to(home), positions.to(home))
+            if cache.rotation is not None and not (rows_as_decode and t > 1) \
+                    and self._reads_fused(layer, cache, q, held):
+                turned = cache.write_turning(q, k, v, positions)  # the queries turned too (one kernel on CUDA)
+            else:
+                cache.write(k.to(home), v.to(home), positions.to(home))
         if rows_as_decode and t > 1:
             # Each row reads what its one-token step would: the slots written so far where the
             # host knows them (end given), else every slot, the unwritten masked (a captured step).
             ends = [int(p) + 1 for p in positions.tolist()] if end is not None else [cache.slots] * t
             return torch.cat([self._read_and_attend(layer, q[i:i + 1], cache, min(cache.slots, ends[i]),
                                                     positions[i:i + 1]) for i in range(t)])
-        held = cache.slots if end is None else min(cache.slots, end)  # a ring fills slots 0.. first
-        return self._read_and_attend(layer, q, cache, held, positions)
+        return self._read_and_attend(layer, q, cache, held, positions, turned)
 
-    def _read_and_attend(self, layer: Layer, q, cache, held: int, positions) -> torch.Tensor:
-        """The attention of query rows q [T, N, D] over the first held slots of cache, projected."""
-        s, t = layer.spec, q.shape[0]
-        if cache.mode != "bf16" and cache.device == q.device and not self.spec.attn_softcap \
-                and kv_attention.usable(q.device, t, s.head_dim, held):
-            return self._scores_fused(layer, q, cache, held, positions)
+    def _reads_fused(self, layer: Layer, cache, q, held: int) -> bool:
+        """Whether query rows q read held slots of cache through the fused read (kv_attention.py)."""
+        return cache.mode != "bf16" and cache.device == q.device and not self.spec.attn_softcap \
+            and kv_attention.usable(q.device, q.shape[0], layer.spec.head_dim, held)
+
+    def _read_and_attend(self, layer: Layer, q, cache, held: int, positions, turned=None) -> torch.Tensor:
+        """The attention of query rows q [T, N, D] over the first held slots of cache, projected
+        (turned: q already turned by the cache's rotation, for the fused read)."""
+        if self._reads_fused(layer, cache, q, held):
+            return self._scores_fused(layer, q, cache, held, positions, turned=turned)
         if cache.mode != "bf16" and held > cache.read_block:
             return self._scores_by_blocks(layer, q, cache, held, positions)
         (k, v), key_positions = cache.read(held), cache.pos[:held]
@@ -575,19 +584,22 @@ class GemmaModel:
         out = (summed / total[..., None]).to(q.dtype)  # [T, K, g, D]
         return self._attended(layer, out, rotation, offset)
 
-    def _scores_fused(self, layer: Layer, q, cache, held: int, positions) -> torch.Tensor:
+    def _scores_fused(self, layer: Layer, q, cache, held: int, positions, turned=None) -> torch.Tensor:
         """_scores over a quantized cache by the fused read (kv_attention.py): the codes of the first
-        held slots read inside one kernel, nothing decoded into memory; a few query rows at most."""
-        s, t = layer.spec, q.shape[0]
+        held slots read in place, nothing decoded into memory; a few query rows at most. turned:
+        q turned by the cache's rotation already (TurboKVCache.write_turning)."""
+        s, t, dtype = layer.spec, q.shape[0], q.dtype
         rotation = cache.rotation
-        if rotation is not None:
+        if turned is not None:
+            q = turned
+        elif rotation is not None:
             q = q @ rotation
         parts = cache.fused_parts(held)
         window = self.spec.window if s.kind == SLIDING and self.spec.window else 0
         out = kv_attention.quantized_attention(
             q.reshape(t, s.kv_heads, s.heads // s.kv_heads, s.head_dim), *parts["k"], *parts["v"], cache.pos[:held],
             positions, parts["k_bits"], parts["v_bits"], float(self.spec.query_scale), int(window))
-        return self._attended(layer, out.to(q.dtype), rotation, cache.value_offset)
+        return self._attended(layer, out.to(dtype), rotation, cache.value_offset)
 
     def _masked_scores(self, s, qg, k, key_positions, positions) -> torch.Tensor:
         """q·k scaled (soft-capped where the model does), unseen keys at the dtype's minimum:

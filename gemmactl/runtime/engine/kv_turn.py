@@ -1,0 +1,103 @@
+"""A decode step's write to a turbo KV cache and its queries' turn, in one Triton kernel.
+
+A TurboKVCache (kv.py) turns every key and value by a rotation before it quantizes them, and the
+fused read (kv_attention.py) takes the queries turned the same way. Written in torch, one layer's
+write in a decode step took about thirteen launches after torch.compile's fusion: the turn of the
+keys and of the values (float32 products, each a cuBLAS kernel and its split-K reduction), the
+scales and the bucketing, the packing of each plane, the index copies; and the queries' turn one
+more. Each is a few microseconds for a few vectors, so on an E4B shape at 32K they were about
+650 of the 4,900 microseconds of a step (docs/benchmarks.md). Here the queries, keys and values of
+the step's tokens are turned, quantized, packed and stored by one launch (kv_turn_kernel.py).
+
+The rotation is a Hadamard matrix after random signs (kv.hadamard_rotation): the kernel takes the
+signs and the ±1 matrix, which float16 holds exactly, and turns a vector by two float16 products on
+tensor cores (its float16 part and what that leaves), which keeps about 22 bits of its mantissa
+against float32's 24. A vector's scale is its RMS, which the rotation keeps, so every program of a
+chunk of coordinates has it without the others. The codes equal the torch write's but where the
+products' rounding moves a coordinate across a level's edge (kv.py's write stays the reference:
+prefill, and caches this kernel does not take). Triton is the well-kept route here as for the
+read: it ships with torch's CUDA wheels and compiles the same source for the tests' CPU
+interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+
+from gemmactl.runtime.engine import kv_attention
+from gemmactl.runtime.engine.gemv_common import tile_setting
+from gemmactl.runtime.engine.kv_modes import FUSED_ROWS_MAX, code_planes
+
+ROWS = 16  # vectors a program takes (tl.dot's least)
+TILE_ENV = "GEMMACTL_KV_TURN_TILE"  # "CHUNK,PART,WARPS": another tile, to measure it
+
+
+class Tile(NamedTuple):
+    chunk: int  # coordinates of the turned vectors a program computes
+    part: int  # coordinates of the contraction a product takes at a time
+    warps: int
+    programs_per_sm: int = 1  # (tile_setting's field; one program a chunk here)
+
+
+# benchmarks/kv_turn_gpu.py on an H100 (E4B's shapes, 256 and 512 wide, one token): 32 coordinates a
+# program, 128 of the contraction a product, 4 warps, was the best of thirteen tiles (9.7 and 14.9 µs a
+# write; 64 x 64 took 12.2 and 20.1; some with 2 warps or a 512-wide part spilled and took 117-155).
+DEFAULT_TILE = Tile(32, 128, 4)
+
+
+@functools.cache
+def tile() -> Tile:
+    forced = tile_setting(TILE_ENV, Tile, "CHUNK,PART,WARPS", "64,64,4")
+    return DEFAULT_TILE if forced is None else forced
+
+
+def usable(device, rows: int, head_dim: int) -> bool:
+    """Whether the kernel writes rows tokens of head_dim on device: where the fused read reads them."""
+    return rows <= FUSED_ROWS_MAX and kv_attention.usable(device, rows, head_dim)
+
+
+@functools.cache
+def hadamard(dim: int, device: str) -> torch.Tensor:
+    """The ±1 Hadamard matrix [dim, dim] (dim a power of two) in float16, one per size and device."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h.to(device=device, dtype=torch.float16)
+
+
+@torch.library.custom_op("gemmactl::turned_write",
+                         mutates_args=("k_codes", "k_scales", "v_codes", "v_scales"))
+def turned_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_centre: torch.Tensor, v_centre: torch.Tensor,
+                 signs: torch.Tensor, k_edges: torch.Tensor, v_edges: torch.Tensor, k_codes: torch.Tensor,
+                 k_scales: torch.Tensor, v_codes: torch.Tensor, v_scales: torch.Tensor, slots: torch.Tensor,
+                 k_bits: int, v_bits: int) -> torch.Tensor:
+    """Store k, v [T, K, D] less their centres [K, D], turned and quantized, at slots [T] of the
+    codes [S, K, D·bits/8] (uint8) and scales [S, K] (fp16); return q [T, N, D] turned (float32)."""
+    import triton
+
+    from gemmactl.runtime.engine import kv_turn_kernel
+
+    t, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    k0, k1 = code_planes(k_bits)
+    v0, v1 = code_planes(v_bits)
+    out = torch.empty((t, heads, dim), dtype=torch.float32, device=q.device)
+    rows = t * (heads + 2 * kv_heads)
+    chunk, part, warps, _ = tile()
+    chunk, part = min(chunk, dim), min(part, dim)
+    kv_turn_kernel.turned_write[(triton.cdiv(rows, ROWS), dim // chunk)](
+        q.contiguous(), k.contiguous(), v.contiguous(), k_centre, v_centre, signs, hadamard(dim, str(q.device)),
+        k_edges, v_edges, k_codes, v_codes, k_scales, v_scales, slots, out, rows, heads, kv_heads,
+        1.0 / math.sqrt(dim), D=dim, ROWS=ROWS, CHUNK=chunk, PART=part, KW0=k0, KW1=k1, VW0=v0, VW1=v1,
+        K_EDGES=k_edges.shape[0], V_EDGES=v_edges.shape[0], num_warps=warps)
+    return out
+
+
+@turned_write.register_fake
+def _(q, k, v, k_centre, v_centre, signs, k_edges, v_edges, k_codes, k_scales, v_codes, v_scales, slots, k_bits,
+      v_bits):
+    return q.new_empty(q.shape, dtype=torch.float32)
