@@ -126,8 +126,11 @@ class CenteredKVCache(KVCache):
 
     def write(self, k, v, positions) -> None:
         k, v, positions, slots = self._slots_for(k, v, positions)
-        for name, x in (("k", k), ("v", v)):
-            codes, scale = self._encode_as(name, x)
+        self._store({name: self._encode_as(name, x) for name, x in (("k", k), ("v", v))}, slots, positions)
+
+    def _store(self, encoded: dict, slots, positions) -> None:
+        """Codes and scales per name (encoded: name -> (codes, scale)) and positions at slots."""
+        for name, (codes, scale) in encoded.items():
             self.codes[name].index_copy_(0, slots, codes)
             self.scales[name].index_copy_(0, slots, scale)
         self.pos.index_copy_(0, slots, positions)
@@ -328,11 +331,7 @@ class TurboKVCache(CenteredKVCache):
         centred = (q.float(), k.float() - self.centres["k"], v.float() - self.centres["v"])
         turned_q, k, v = (torch.cat(centred, 1) @ self.rotation_f32).split((heads, kv_heads, kv_heads), 1)
         k, v, positions, slots = self._slots_for(k, v, positions)
-        for name, x in (("k", k), ("v", v)):
-            codes, scale = self._quantize(x, name)
-            self.codes[name].index_copy_(0, slots, codes)
-            self.scales[name].index_copy_(0, slots, scale)
-        self.pos.index_copy_(0, slots, positions)
+        self._store({name: self._quantize(x, name) for name, x in (("k", k), ("v", v))}, slots, positions)
         return turned_q
 
     def _quantize(self, turned, name):
