@@ -299,6 +299,36 @@ def test_rope_tables_equal_transformers_rotary_modules(artifacts, kind, yarn, dt
         assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), kind_name
 
 
+def check_turned_write_compiled(device):
+    """The write's kernel inside torch.compile (as the fused decode step runs it) stores what it
+    stores eagerly and turns the queries alike: compile fuses the torch around the op, and must
+    neither copy the cache nor round away what the op takes."""
+    import torch
+
+    from gemmactl.runtime.engine.kv import TurboKVCache, make_cache
+
+    torch.manual_seed(3)
+    one, two = (make_cache("tq4", 8, 2, 64, True, torch.float32, device, seed=6) for _ in range(2))
+    first = torch.randn(6, 2, 64, device=device) * 2 + 0.5, torch.randn(6, 2, 64, device=device)
+    for cache in (one, two):
+        cache.begin(*first)
+
+    def step(cache, q, k, v, positions):  # the norm before the write, as in the model
+        return cache.write_turning(q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6), k, v, positions)
+
+    compiled = torch.compile(step)
+    for at in (0, 6):
+        q = torch.randn(1, 4, 64, device=device) * 3
+        k, v = torch.randn(1, 2, 64, device=device) * 2 + 0.5, torch.randn(1, 2, 64, device=device)
+        positions = torch.tensor([at], device=device)
+        want, got = step(one, q, k, v, positions), compiled(two, q, k, v, positions)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(one.pos, two.pos)
+    for name in "kv":
+        a, b = (TurboKVCache._unpack(c.codes[name], c.bits[name]).long() for c in (one, two))
+        assert float((a != b).float().mean()) <= 0.01 and torch.equal(one.scales[name], two.scales[name]), name
+
+
 def check_turned_write(device):
     """The write's kernel (kv_turn.py, TurboKVCache.write_turning where it runs) against the torch
     write (write): every turbo mode, head dims from 32 to 512, one or a few tokens, a ring that
@@ -367,6 +397,7 @@ for mode in ("int8", "tq4", "tq3") if sys.argv[2] == "alone" else ():
 kv_attention.os.environ[kv_attention.ENV] = "on"
 if sys.argv[2] == "alone":
     check_turned_write("cpu")
+    check_turned_write_compiled("cpu")
 
 # the engine: at every read the fused path takes, the torch read of the same cache and queries
 # beside it (compared call by call: a random tiny model's logits amplify float16 rounding over
@@ -419,7 +450,8 @@ def test_the_fused_read_of_a_quantized_cache_attends_as_the_torch_read(artifacts
     pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
     artifact = artifacts(kind)
     alone = "alone" if kind == "gemma3-tiny" else "engine"
-    script = inspect.getsource(check_turned_write) + _INTERPRETED_READ
+    script = inspect.getsource(check_turned_write) + inspect.getsource(check_turned_write_compiled) \
+        + _INTERPRETED_READ
     proc = subprocess.run([sys.executable, "-c", script, str(artifact.path), alone], capture_output=True,
                           text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -432,6 +464,7 @@ def test_gpu_turned_write_stores_what_write_does(monkeypatch):
     torch write, as check_turned_write holds it."""
     monkeypatch.delenv("GEMMACTL_KV_KERNEL", raising=False)
     check_turned_write("cuda")
+    check_turned_write_compiled("cuda")
 
 
 @pytest.mark.gpu

@@ -15,7 +15,8 @@ tensor cores (its float16 part and what that leaves), which keeps about 22 bits 
 against float32's 24. A vector's scale is its RMS, which the rotation keeps, so every program of a
 chunk of coordinates has it without the others. The codes equal the torch write's but where the
 products' rounding moves a coordinate across a level's edge (kv.py's write stays the reference:
-prefill, and caches this kernel does not take). Triton is the well-kept route here as for the
+prefill, and caches this kernel does not take). A coordinate beyond float16's range (65,504, less
+its centre) would not turn; the norms before the write keep them far below it. Triton is the well-kept route here as for the
 read: it ships with torch's CUDA wheels and compiles the same source for the tests' CPU
 interpreter.
 """
@@ -51,7 +52,10 @@ DEFAULT_TILE = Tile(32, 128, 4)
 
 @functools.cache
 def tile() -> Tile:
-    forced = tile_setting(TILE_ENV, Tile, "CHUNK,PART,WARPS", "64,64,4")
+    forced = tile_setting(TILE_ENV, Tile, "CHUNK,PART,WARPS", "32,128,4")
+    if forced is not None and min(forced.chunk, forced.part) < 16:  # tl.dot's least each way
+        raise ValueError(f"{TILE_ENV}={forced.chunk},{forced.part},{forced.warps}: CHUNK and PART take 16 at "
+                         "least; unset it for the engine's own tile")
     return DEFAULT_TILE if forced is None else forced
 
 
@@ -91,7 +95,7 @@ def turned_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_centre: to
     chunk, part = min(chunk, dim), min(part, dim)
     kv_turn_kernel.turned_write[(triton.cdiv(rows, ROWS), dim // chunk)](
         q.contiguous(), k.contiguous(), v.contiguous(), k_centre, v_centre, signs, hadamard(dim, str(q.device)),
-        k_edges, v_edges, k_codes, v_codes, k_scales, v_scales, slots, out, rows, heads, kv_heads,
+        k_edges, v_edges, k_codes, v_codes, k_scales, v_scales, slots, out, rows, heads, kv_heads, k_codes.shape[0],
         1.0 / math.sqrt(dim), D=dim, ROWS=ROWS, CHUNK=chunk, PART=part, KW0=k0, KW1=k1, VW0=v0, VW1=v1,
         K_EDGES=k_edges.shape[0], V_EDGES=v_edges.shape[0], num_warps=warps)
     return out

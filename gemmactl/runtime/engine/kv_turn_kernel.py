@@ -37,7 +37,7 @@ def _codes(u, edge_ptr, EDGES: tl.constexpr):
 
 @triton.jit
 def turned_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, sign_ptr, h_ptr, ke_ptr, ve_ptr, kcode_ptr, vcode_ptr,
-                 kscale_ptr, vscale_ptr, slot_ptr, out_ptr, rows, heads, kv_heads, inv_root,
+                 kscale_ptr, vscale_ptr, slot_ptr, out_ptr, rows, heads, kv_heads, slots, inv_root,
                  D: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, PART: tl.constexpr,
                  KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
                  K_EDGES: tl.constexpr, V_EDGES: tl.constexpr):
@@ -82,10 +82,15 @@ def turned_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, sign_ptr, h_ptr, ke_ptr, v
         acc = tl.dot(low, h, acc)
     y = acc * inv_root
     tl.store(out_ptr + (t * heads + head)[:, None] * D + (start + c)[None, :], y, mask=is_q[:, None])
-    scale = tl.sqrt(squares / D).to(tl.float16)
+    # Rounded as torch rounds (sqrt and division correctly rounded; 1/D exact, D a power of two):
+    # the GPU's fast forms could put a coordinate on an edge in another level than the torch write.
+    scale = tl.sqrt_rn(squares * (1.0 / D)).to(tl.float16)
     safe = tl.where(scale > 0, scale.to(tl.float32), 1.0)
-    u = y / safe[:, None]
+    u = tl.div_rn(y, safe[:, None])
     slot = tl.load(slot_ptr + t, mask=ok, other=0)
+    inside = slot < slots  # never past the cache (index_copy_ would raise; a kernel would write on)
+    is_k = is_k & inside
+    is_v = is_v & inside
     at = slot * kv_heads + head
     _pack_store(_codes(u, ke_ptr, K_EDGES), kcode_ptr + at * (D * (KW0 + KW1) // 8), start, is_k, KW0, KW1, D,
                 ROWS, CHUNK)
