@@ -16,9 +16,9 @@ against float32's 24. A vector's scale is its RMS, which the rotation keeps, so 
 chunk of coordinates has it without the others. The codes equal the torch write's but where the
 products' rounding moves a coordinate across a level's edge (kv.py's write stays the reference:
 prefill, and caches this kernel does not take). A coordinate beyond float16's range (65,504, less
-its centre) would not turn; the norms before the write keep them far below it. Triton is the well-kept route here as for the
-read: it ships with torch's CUDA wheels and compiles the same source for the tests' CPU
-interpreter.
+its centre) would not turn; the norms before the write keep them far below it. Triton is the
+well-kept route here as for the read: it ships with torch's CUDA wheels and compiles the same
+source for the tests' CPU interpreter.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ class Tile(NamedTuple):
     programs_per_sm: int = 1  # (tile_setting's field; one program a chunk here)
 
 
-# benchmarks/kv_turn_gpu.py on an H100 (E4B's shapes, 256 and 512 wide, one token): 32 coordinates a
-# program, 128 of the contraction a product, 4 warps, was the best of thirteen tiles (9.7 and 14.9 µs a
-# write; 64 x 64 took 12.2 and 20.1; some with 2 warps or a 512-wide part spilled and took 117-155).
+# benchmarks/kv_turn_gpu.py on an H100 (E4B's shapes, 256 and 512 wide, one token): 32 coordinates
+# a program, 128 of the contraction a product, 4 warps, was the best of thirteen tiles (9.7 and
+# 14.9 µs a write; 64 x 64 took 12.2 and 20.1; some with 2 warps or a 512-wide part spilled and
+# took 117-155).
 DEFAULT_TILE = Tile(32, 128, 4)
 
 
