@@ -260,22 +260,16 @@ def polynomial_levels(bits: int) -> tuple[tuple[float, float, float, float], lis
     return (mid, float(c1), float(c3), float(c5)), levels, [(a + b) / 2 for a, b in zip(levels, levels[1:])]
 
 
-def hadamard_matrix(dim: int) -> torch.Tensor:
-    """The ±1 Hadamard matrix [dim, dim] of Sylvester's construction (dim a power of two; symmetric,
-    its first row and column all ones). float32, CPU."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < dim:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h
-
-
 def hadamard_rotation(dim: int, seed: int) -> torch.Tensor:
     """An orthogonal [dim, dim] matrix: a normalized Hadamard matrix (dim a power of two) after
     random signs, or a random orthogonal one (QR of a Gaussian) for other sizes. float32, CPU."""
     generator = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (dim,), generator=generator).float() * 2 - 1
     if dim & (dim - 1) == 0:
-        return signs.unsqueeze(1) * hadamard_matrix(dim) / math.sqrt(dim)
+        h = torch.ones(1, 1)
+        while h.shape[0] < dim:
+            h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+        return signs.unsqueeze(1) * h / math.sqrt(dim)
     q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator))
     return q * torch.sign(torch.diagonal(r))
 

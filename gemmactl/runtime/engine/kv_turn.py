@@ -31,7 +31,6 @@ import torch
 
 from gemmactl.runtime.engine import kv_attention
 from gemmactl.runtime.engine.gemv_common import tile_setting
-from gemmactl.runtime.engine.kv import hadamard_matrix
 from gemmactl.runtime.engine.kv_modes import FUSED_ROWS_MAX, code_planes
 
 ROWS = 16  # vectors a program takes (tl.dot's least)
@@ -68,8 +67,11 @@ def usable(device, rows: int, head_dim: int) -> bool:
 
 @functools.cache
 def hadamard(dim: int, device: str) -> torch.Tensor:
-    """kv.hadamard_matrix in float16 (exact: its entries are ±1), one per size and device."""
-    return hadamard_matrix(dim).to(device=device, dtype=torch.float16)
+    """The ±1 Hadamard matrix [dim, dim] (dim a power of two) in float16, one per size and device."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h.to(device=device, dtype=torch.float16)
 
 
 @torch.library.custom_op("gemmactl::turned_write",
