@@ -552,3 +552,58 @@ def _logits_along(engine, prompt, tokens, decoder=None):
                 engine.step(token, torch.tensor([position], device=device), position + 1)
             rows.append(logits.reshape(-1).float().cpu())
     return torch.stack(rows)
+
+
+def _compile_for_sm90(kernel, signature: dict, constexprs: dict, warps: int = 4) -> None:
+    """Compiles a Triton kernel for an sm_90 GPU without one (Triton's front end, its passes and
+    the ptxas it ships): what its interpreter never runs, such as the rules on constexprs."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    full = {**signature, **{name: "constexpr" for name in constexprs}}
+    source = ASTSource(fn=kernel, signature=full,
+                       constexprs={(names.index(name),): value for name, value in constexprs.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert compiled.asm.get("cubin"), f"{kernel.__name__} {constexprs}: no cubin"
+
+
+def test_kv_kernels_compile_for_the_gpu():
+    """The KV kernels of every engine mode (the read's, and the turbo modes' write) compile for the GPU (offline, here on the CPU), at the
+    default tile and head dims 64, 256 and 512: a kernel the interpreter runs may still fail to
+    compile (a reassigned constexpr once did), and only a GPU run would have told."""
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
+    import triton.language as tl
+
+    from gemmactl.runtime.engine import kv_attention, kv_attention_kernel, kv_turn, kv_turn_kernel
+    from gemmactl.runtime.engine.kv_modes import TURBO_BITS
+
+    tile = kv_turn.DEFAULT_TILE
+    write = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*fp32", "vc_ptr": "*fp32",
+             "sign_ptr": "*fp32", "h_ptr": "*fp16", "ke_ptr": "*fp32", "ve_ptr": "*fp32", "kcode_ptr": "*u8",
+             "vcode_ptr": "*u8", "kscale_ptr": "*fp16", "vscale_ptr": "*fp16", "slot_ptr": "*i64",
+             "out_ptr": "*fp32", "rows": "i32", "heads": "i32", "kv_heads": "i32", "slots": "i32",
+             "inv_root": "fp32"}
+    scores = {"q_ptr": "*fp32", "kw_ptr": "*i32", "ks_ptr": "*fp16", "kl_ptr": "*fp32", "kpos_ptr": "*i64",
+              "pos_ptr": "*i64", "s_ptr": "*fp32", "S": "i32", "kv_heads": "i32", "groups": "i32",
+              "row_words": "i32", "query_scale": "fp32", "window": "i32"}
+    values = {"w_ptr": "*fp32", "vw_ptr": "*i32", "vs_ptr": "*fp16", "vl_ptr": "*fp32", "out_ptr": "*fp32",
+              "S": "i32", "kv_heads": "i32", "groups": "i32", "row_words": "i32", "per_share": "i32",
+              "shares": "i32"}
+    for mode, (k_bits, v_bits) in {"int8": (8, 8), **TURBO_BITS}.items():
+        (k0, k1), (v0, v1) = code_planes(k_bits), code_planes(v_bits)
+        for dim in (64, 256, 512):
+            read = dict(D=dim, GROUPS=16, DOT=tl.float16)
+            _compile_for_sm90(kv_attention_kernel.key_scores, scores,
+                              dict(read, W0=k0, W1=k1, BLOCK=kv_attention.SCORE_BLOCK,
+                                   CHUNK=min(kv_attention.SCORE_CHUNK, dim)))
+            _compile_for_sm90(kv_attention_kernel.weighted_values, values,
+                              dict(read, W0=v0, W1=v1, BLOCK=kv_attention.VALUE_BLOCK,
+                                   CHUNK=min(kv_attention.VALUE_CHUNK, dim)))
+            if mode == "int8":  # no rotation: the turn kernels are the turbo modes'
+                continue
+            shape = dict(D=dim, ROWS=kv_turn.ROWS, CHUNK=min(tile.chunk, dim), PART=min(tile.part, dim))
+            _compile_for_sm90(kv_turn_kernel.turned_write, write,
+                              dict(shape, KW0=k0, KW1=k1, VW0=v0, VW1=v1, K_EDGES=(1 << k_bits) - 1,
+                                   V_EDGES=(1 << v_bits) - 1), tile.warps)
