@@ -3,6 +3,7 @@ against torch's attention over the same slots in bfloat16.
 
     python benchmarks/kv_read_gpu.py [--slots 4096 32768 131072] [--rows 1 5] [--modes int8 tq4 tq3]
                                      [--heads 2 --groups 4 --dim 512] [--graph] [--out FILE]
+                                     [--tiles 32,128,64,128,4 64,128,128,128,8 ...]
 
 The shape defaults to an E4B-shaped global layer (2 KV heads, 4 query heads each, 512 wide).
 Each cache is filled with random keys and values at every slot; each read is timed with CUDA
@@ -13,7 +14,8 @@ torch's scaled_dot_product_attention with grouped heads over a bfloat16 copy of 
 not the engine's own bf16 read, which the fused step compiles with the rest (its effect on decode
 is measured by `plan --verify` at a context, docs/benchmarks.md). "bytes" is what the read must
 fetch of the cache, so bytes / time is the bandwidth the read reaches. Prints one JSON object (and
-writes it to --out).
+writes it to --out). --tiles: each quantized read once a tile (GEMMACTL_KV_READ_TILE's form:
+SCORE_BLOCK,SCORE_CHUNK,VALUE_BLOCK,VALUE_CHUNK,WARPS[,PROGRAMS_PER_SM]), the engine's own first.
 """
 
 from __future__ import annotations
@@ -98,8 +100,21 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--graph", action="store_true", help="time the read captured in a CUDA graph")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--tiles", nargs="+", default=[], help="read tiles to sweep (the engine's own first)")
     args = parser.parse_args()
+    import os
+
     import torch
+
+    from gemmactl.runtime.engine import kv_attention
+
+    def tiled(tile: str):
+        if tile:
+            os.environ[kv_attention.TILE_ENV] = tile
+        else:
+            os.environ.pop(kv_attention.TILE_ENV, None)
+        kv_attention.read_tile.cache_clear()
+        return ",".join(map(str, kv_attention.read_tile()))
 
     results = []
     for slots in args.slots:
@@ -107,10 +122,18 @@ def main() -> None:
             base = measure("bf16", slots, rows, args.heads, args.groups, args.dim, args.graph)
             results.append(base)
             for mode in args.modes:
-                row = measure(mode, slots, rows, args.heads, args.groups, args.dim, args.graph)
-                row["vs_bf16"] = round(base["ms"] / row["ms"], 3)
-                results.append(row)
-                print(json.dumps(row), file=sys.stderr)
+                for tile in [""] + args.tiles:
+                    name = tiled(tile)
+                    try:
+                        row = measure(mode, slots, rows, args.heads, args.groups, args.dim, args.graph)
+                    except Exception as error:  # a tile that does not compile or fit: noted, the sweep goes on
+                        row = {"mode": mode, "slots": slots, "rows": rows, "error": str(error)[:300]}
+                    row["tile"] = name
+                    if "ms" in row:
+                        row["vs_bf16"] = round(base["ms"] / row["ms"], 3)
+                    results.append(row)
+                    print(json.dumps(row), file=sys.stderr)
+    tiled("")
     report = {"device": torch.cuda.get_device_name(), "graph": args.graph, "heads": args.heads, "groups": args.groups, "dim": args.dim,
               "reads": results}
     text = json.dumps(report, indent=1)

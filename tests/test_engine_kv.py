@@ -594,16 +594,37 @@ def test_kv_kernels_compile_for_the_gpu():
     for mode, (k_bits, v_bits) in {"int8": (8, 8), **TURBO_BITS}.items():
         (k0, k1), (v0, v1) = code_planes(k_bits), code_planes(v_bits)
         for dim in (64, 256, 512):
-            read = dict(D=dim, GROUPS=16, DOT=tl.float16)
+            read, tiles = dict(D=dim, GROUPS=16, DOT=tl.float16), kv_attention.DEFAULT_READ_TILE
             _compile_for_sm90(kv_attention_kernel.key_scores, scores,
-                              dict(read, W0=k0, W1=k1, BLOCK=kv_attention.SCORE_BLOCK,
-                                   CHUNK=min(kv_attention.SCORE_CHUNK, dim)))
+                              dict(read, W0=k0, W1=k1, BLOCK=tiles.score_block, CHUNK=min(tiles.score_chunk, dim)),
+                              tiles.warps)
             _compile_for_sm90(kv_attention_kernel.weighted_values, values,
-                              dict(read, W0=v0, W1=v1, BLOCK=kv_attention.VALUE_BLOCK,
-                                   CHUNK=min(kv_attention.VALUE_CHUNK, dim)))
+                              dict(read, W0=v0, W1=v1, BLOCK=tiles.value_block, CHUNK=min(tiles.value_chunk, dim)),
+                              tiles.warps)
             if mode == "int8":  # no rotation: the turn kernels are the turbo modes'
                 continue
             shape = dict(D=dim, ROWS=kv_turn.ROWS, CHUNK=min(tile.chunk, dim), PART=min(tile.part, dim))
             _compile_for_sm90(kv_turn_kernel.turned_write, write,
                               dict(shape, KW0=k0, KW1=k1, VW0=v0, VW1=v1, K_EDGES=(1 << k_bits) - 1,
                                    V_EDGES=(1 << v_bits) - 1), tile.warps)
+
+
+def test_the_read_tile_is_forced_or_refused(monkeypatch):
+    """GEMMACTL_KV_READ_TILE forces the fused read's tiles (a benchmark's sweep); a value the kernels
+    cannot take is refused with what they take, before any launch."""
+    from gemmactl.runtime.engine import kv_attention
+
+    def forced(value):
+        monkeypatch.setenv(kv_attention.TILE_ENV, value)
+        kv_attention.read_tile.cache_clear()
+        try:
+            return kv_attention.read_tile()
+        finally:
+            kv_attention.read_tile.cache_clear()
+
+    assert forced("") == kv_attention.DEFAULT_READ_TILE
+    assert forced("64,256,128,64,8") == kv_attention.ReadTile(64, 256, 128, 64, 8, kv_attention.PROGRAMS_PER_SM)
+    assert forced("64,256,128,64,8,2").programs_per_sm == 2
+    for bad in ("8,128,64,128,4", "32,16,64,128,4", "32,128,64,96,4", "32,128,64,128,3", "a,b", "32,128"):
+        with pytest.raises(ValueError, match="KV_READ_TILE"):
+            forced(bad)

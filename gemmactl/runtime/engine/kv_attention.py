@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
 from gemmactl.runtime.engine.gemv_common import available
 from gemmactl.runtime.engine.gemv_common import sms as _sms
+from gemmactl.runtime.engine.gemv_common import tile_setting
 from gemmactl.runtime.engine.kv_modes import FUSED_ROWS_MAX, code_planes
 
 ENV = "GEMMACTL_KV_KERNEL"  # auto (on for CUDA with Triton) | off (the torch read) | on (also Triton's CPU interpreter)
@@ -54,6 +56,35 @@ ROWS_MAX = FUSED_ROWS_MAX  # query rows (tokens) a call takes: a decode step, a 
 SCORE_BLOCK, SCORE_CHUNK = 32, 128
 VALUE_BLOCK, VALUE_CHUNK = 64, 128
 PROGRAMS_PER_SM = 4  # the values' programs: enough to keep each multiprocessor's loads in flight
+WARPS = 4
+TILE_ENV = "GEMMACTL_KV_READ_TILE"  # forces the read's tiles (benchmarks/kv_read_gpu.py --tiles sweeps them)
+
+
+class ReadTile(NamedTuple):
+    score_block: int  # slots a key-score program takes
+    score_chunk: int  # coordinates it takes at a time
+    value_block: int  # slots a value program takes at a time
+    value_chunk: int  # coordinates a value program holds
+    warps: int
+    programs_per_sm: int = PROGRAMS_PER_SM  # value programs a multiprocessor gets (shares_for)
+
+
+DEFAULT_READ_TILE = ReadTile(SCORE_BLOCK, SCORE_CHUNK, VALUE_BLOCK, VALUE_CHUNK, WARPS)
+_TILE_FIELDS = "SCORE_BLOCK,SCORE_CHUNK,VALUE_BLOCK,VALUE_CHUNK,WARPS[,PROGRAMS_PER_SM]"
+
+
+@functools.cache
+def read_tile() -> ReadTile:
+    """The read's tiles: TILE_ENV's where set (read once a process), else DEFAULT_READ_TILE."""
+    forced = tile_setting(TILE_ENV, ReadTile, _TILE_FIELDS, "32,128,64,128,4")
+    if forced is None:
+        return DEFAULT_READ_TILE
+    sizes = (forced.score_block, forced.score_chunk, forced.value_block, forced.value_chunk, forced.warps)
+    if min(sizes[:4]) < 16 or min(forced.score_chunk, forced.value_chunk) < 32 \
+            or not all(v & (v - 1) == 0 for v in sizes):
+        raise ValueError(f"{TILE_ENV}={','.join(map(str, forced))}: expected {_TILE_FIELDS}, powers of two, "
+                         "blocks 16 and chunks 32 at least; unset it for the engine's own tiles")
+    return forced
 
 
 MIN_SLOTS_ENV = "GEMMACTL_KV_KERNEL_MIN_SLOTS"  # caches shorter than this are read by torch (default 0: none)
@@ -106,9 +137,10 @@ def _kernel():
 def shares_for(slots: int, programs: int, device: torch.device) -> tuple[int, int]:
     """(shares, slots per share) for `programs` programs a share over slots: enough shares that the
     GPU's multiprocessors each get PROGRAMS_PER_SM programs, a whole number of blocks each."""
-    blocks = -(-slots // VALUE_BLOCK)
-    shares = max(1, min(blocks, -(-PROGRAMS_PER_SM * _sms(device) // max(programs, 1))))
-    per = -(-blocks // shares) * VALUE_BLOCK
+    tile = read_tile()
+    blocks = -(-slots // tile.value_block)
+    shares = max(1, min(blocks, -(-tile.programs_per_sm * _sms(device) // max(programs, 1))))
+    per = -(-blocks // shares) * tile.value_block
     return -(-slots // per), per
 
 
@@ -129,10 +161,12 @@ def quantized_key_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch
     slots = k_codes.shape[0]
     k0, k1 = code_planes(k_bits)
     scores = torch.empty((t * kv_heads, groups, slots), dtype=torch.float32, device=q.device)
-    kernels.key_scores[(t * kv_heads, triton.cdiv(slots, SCORE_BLOCK))](
+    tile = read_tile()
+    kernels.key_scores[(t * kv_heads, triton.cdiv(slots, tile.score_block))](
         q.contiguous(), k_codes.view(torch.int32), k_scales, k_levels, key_positions, positions, scores, slots,
         kv_heads, groups, k_codes.shape[-1] // 4, query_scale, window, D=dim, W0=k0, W1=k1,
-        GROUPS=_group_block(groups), BLOCK=SCORE_BLOCK, CHUNK=min(SCORE_CHUNK, dim), DOT=dot, num_warps=4)
+        GROUPS=_group_block(groups), BLOCK=tile.score_block, CHUNK=min(tile.score_chunk, dim), DOT=dot,
+        num_warps=tile.warps)
     return scores
 
 
@@ -150,13 +184,14 @@ def quantized_weighted_values(weights: torch.Tensor, v_codes: torch.Tensor, v_sc
     rows, groups, slots = weights.shape
     dim = v_codes.shape[-1] * 8 // v_bits
     v0, v1 = code_planes(v_bits)
-    chunk = min(VALUE_CHUNK, dim)
+    tile = read_tile()
+    chunk = min(tile.value_chunk, dim)
     shares, per = shares_for(slots, rows * (dim // chunk), weights.device)
     parts = torch.empty((rows, shares, groups, dim), dtype=torch.float32, device=weights.device)
     kernels.weighted_values[(rows, shares, dim // chunk)](
         weights.contiguous(), v_codes.view(torch.int32), v_scales, v_levels, parts, slots, kv_heads, groups,
-        v_codes.shape[-1] // 4, per, shares, D=dim, W0=v0, W1=v1, GROUPS=_group_block(groups), BLOCK=VALUE_BLOCK,
-        CHUNK=chunk, DOT=dot, num_warps=4)
+        v_codes.shape[-1] // 4, per, shares, D=dim, W0=v0, W1=v1, GROUPS=_group_block(groups),
+        BLOCK=tile.value_block, CHUNK=chunk, DOT=dot, num_warps=tile.warps)
     return parts
 
 
@@ -164,7 +199,7 @@ def quantized_weighted_values(weights: torch.Tensor, v_codes: torch.Tensor, v_sc
 def _(weights, v_codes, v_scales, v_levels, kv_heads, v_bits):
     rows, groups, slots = weights.shape
     dim = v_codes.shape[-1] * 8 // v_bits
-    shares, _ = shares_for(slots, rows * (dim // min(VALUE_CHUNK, dim)), weights.device)
+    shares, _ = shares_for(slots, rows * (dim // min(read_tile().value_chunk, dim)), weights.device)
     return weights.new_empty((rows, shares, groups, dim), dtype=torch.float32)
 
 
