@@ -136,7 +136,8 @@ def _kernel():
 
 def shares_for(slots: int, programs: int, device: torch.device) -> tuple[int, int]:
     """(shares, slots per share) for `programs` programs a share over slots: enough shares that the
-    GPU's multiprocessors each get PROGRAMS_PER_SM programs, a whole number of blocks each."""
+    GPU's multiprocessors each get the read tile's programs_per_sm programs (PROGRAMS_PER_SM by
+    default), a whole number of its value blocks each."""
     tile = read_tile()
     blocks = -(-slots // tile.value_block)
     shares = max(1, min(blocks, -(-tile.programs_per_sm * _sms(device) // max(programs, 1))))
