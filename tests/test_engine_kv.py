@@ -570,16 +570,17 @@ def _compile_for_sm90(kernel, signature: dict, constexprs: dict, warps: int = 4)
 
 
 def test_kv_kernels_compile_for_the_gpu():
-    """The KV kernels of every engine mode (the read's, and the turbo modes' write) compile for the GPU (offline, here on the CPU), at the
-    default tile and head dims 64, 256 and 512: a kernel the interpreter runs may still fail to
-    compile (a reassigned constexpr once did), and only a GPU run would have told."""
+    """The KV kernels of every engine mode (the read's two, the turbo modes' write) compile for the
+    GPU (offline, here on the CPU) at the default tiles and head dims 64, 256 and 512: a kernel the
+    interpreter runs may still fail to compile (a reassigned constexpr once did), and only a GPU
+    run would have told."""
     pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
     import triton.language as tl
 
     from gemmactl.runtime.engine import kv_attention, kv_attention_kernel, kv_turn, kv_turn_kernel
     from gemmactl.runtime.engine.kv_modes import TURBO_BITS
 
-    tile = kv_turn.DEFAULT_TILE
+    tile, tiles = kv_turn.DEFAULT_TILE, kv_attention.DEFAULT_READ_TILE
     write = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*fp32", "vc_ptr": "*fp32",
              "sign_ptr": "*fp32", "h_ptr": "*fp16", "ke_ptr": "*fp32", "ve_ptr": "*fp32", "kcode_ptr": "*u8",
              "vcode_ptr": "*u8", "kscale_ptr": "*fp16", "vscale_ptr": "*fp16", "slot_ptr": "*i64",
@@ -594,7 +595,7 @@ def test_kv_kernels_compile_for_the_gpu():
     for mode, (k_bits, v_bits) in {"int8": (8, 8), **TURBO_BITS}.items():
         (k0, k1), (v0, v1) = code_planes(k_bits), code_planes(v_bits)
         for dim in (64, 256, 512):
-            read, tiles = dict(D=dim, GROUPS=16, DOT=tl.float16), kv_attention.DEFAULT_READ_TILE
+            read = dict(D=dim, GROUPS=16, DOT=tl.float16)
             _compile_for_sm90(kv_attention_kernel.key_scores, scores,
                               dict(read, W0=k0, W1=k1, BLOCK=tiles.score_block, CHUNK=min(tiles.score_chunk, dim)),
                               tiles.warps)
