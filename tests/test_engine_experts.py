@@ -423,6 +423,31 @@ def test_run_reports_the_expert_cache_it_was_given_and_answers_alike(moe_run_art
     assert auto["answer"] == small["answer"] == off["answer"] and auto["answer"]
 
 
+def test_bench_reports_the_expert_cache_and_takes_its_options(moe_run_artifact):
+    """`bench` on an MoE artifact measures the engine with the expert cache it is given and reports
+    the cache's counters: in --json under the engine's target, and as a row of the text's setup."""
+    import json
+
+    from conftest import run_gemmactl
+
+    options = ["bench", "--model", str(moe_run_artifact), "--prompts", "short", "--max-tokens", "4", "--repeat", "1"]
+    proc = run_gemmactl([*options, "--json", "--expert-cache", "off", "--expert-policy", "lru"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout)
+    experts = data["targets"]["gemmactl"]["experts"]
+    model = data["manifest"]["model"]  # an artifact is named by its index
+    assert model["format"] == "int4-stream" and model["quantization"] == "int4.g32"
+    assert model["sha256_of"] == "index.json" and len(model["sha256"]) == 64 and model["size_bytes"] > 0
+    assert experts["policy"] == "lru" and experts["capacity_experts"] == 0
+    assert experts["hits"] == 0 and experts["misses"] > 0 and experts["link_bytes_per_token"] > 0
+    proc = run_gemmactl([*options, "--no-expert-prefetch"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = next(line for line in proc.stdout.splitlines() if "hit rate" in line)
+    assert "experts" in row and "lfu cache of 96" in row and "over the link per decoded token" in row, row
+    proc = run_gemmactl([*options, "--expert-policy", "fifo"])
+    assert proc.returncode == 2 and "lru, lfu, hot" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_expert_options_that_cannot_apply_are_one_line_each(moe_run_artifact, runner, isolated_home):
     from conftest import invoke
 

@@ -23,22 +23,45 @@ FILE_TYPES = {
 
 
 def model_identity(path: Path, store: Store, metadata: dict | None) -> dict:
-    """Path, format, quantization and sha256 (from the store when it recorded one, else hashed now)."""
+    """Path, format, quantization and sha256 (from the store when it recorded one, else hashed now).
+    An int4-stream artifact (a folder) is named by its index: the scheme's name and the sha256 of
+    index.json, which records every tensor's shard, offset and size and the source's fingerprint
+    (hashing the shards themselves would read gigabytes before each run)."""
     artifact = next((a for a in store.list() if Path(a.path) == Path(path)), None)
     quantization = (artifact.extra or {}).get("quantization") if artifact else None
     if quantization is None and metadata and str(metadata.get("general.file_type", "")).isdigit():
         quantization = FILE_TYPES.get(int(metadata["general.file_type"]), f"file_type {metadata['general.file_type']}")
-    sha = artifact.sha256 if artifact and artifact.sha256 else (sha256_file(path) if Path(path).is_file() else None)
-    size = Path(path).stat().st_size if Path(path).is_file() else None
+    index = Path(path) / "index.json"
+    hashed = Path(path) if Path(path).is_file() else index if index.is_file() else None
+    sha = artifact.sha256 if artifact and artifact.sha256 else (sha256_file(hashed) if hashed else None)
+    fmt = artifact.format if artifact else ("gguf" if str(path).endswith(".gguf") else None)
+    if hashed == index:
+        scheme, shards = _int4_index(index)
+        quantization, fmt = quantization or scheme, fmt or "int4-stream"
+        size = sum(p.stat().st_size for p in shards if p.is_file())
+    else:
+        size = Path(path).stat().st_size if Path(path).is_file() else None
     return {
         "path": str(path),
         "store_name": artifact.name if artifact else None,
-        "format": artifact.format if artifact else ("gguf" if str(path).endswith(".gguf") else None),
+        "format": fmt,
         "quantization": quantization,
         "sha256": sha,
+        **({"sha256_of": "index.json"} if hashed == index and not (artifact and artifact.sha256) else {}),
         "size_bytes": size,
         "architecture": (metadata or {}).get("general.architecture"),
     }
+
+
+def _int4_index(index: Path) -> tuple[str | None, list[Path]]:
+    """An int4-stream index's scheme name and shard files (None, [] where it cannot be read)."""
+    import json
+
+    try:
+        data = json.loads(index.read_text())
+        return data["scheme"]["name"], [index.parent / shard["file"] for shard in data["shards"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, []
 
 
 def llama_cpp_identity(store: Store, library_label: str | None) -> dict:

@@ -53,11 +53,14 @@ def _setup(result: dict) -> Section:
     build = llama.get("build") or {}
     gpus = ", ".join(f"{g['name']} ({g['memory_bytes'] / 2**30:.0f} GiB, driver {g['driver']})" for g in machine["gpus"]) or "none"
     rows = [
-        ["model", f"{model['path']} ({model.get('quantization') or model.get('format')}, sha256 {str(model.get('sha256'))[:12]}…)"],
+        ["model", f"{model['path']} ({model.get('quantization') or model.get('format') or 'format unknown'}, "
+                  + (f"sha256 of {model['sha256_of']} " if model.get("sha256_of") else "sha256 ")
+                  + (f"{model['sha256'][:12]}…)" if model.get("sha256") else "-)")],
         ["settings", f"tier {settings['tier']} on {settings['backend']}, context {settings['context']}, "
                      f"{settings['threads']} threads, greedy, max {settings['max_tokens']} tokens, {settings['repeat']} repeats"],
-        ["llama.cpp", f"in process: {llama.get('library_in_process')} (bindings {llama.get('bindings_version')}); "
-                      f"build: {build.get('build_id', 'none')} {build.get('backend', '')}".rstrip()],
+        ["llama.cpp", ("in process: " + (f"{llama['library_in_process']} (bindings {llama.get('bindings_version')})"
+                                         if llama.get("library_in_process") else "none"))
+                      + f"; build: {build.get('build_id', 'none')} {build.get('backend', '')}".rstrip()],
         ["machine", f"{machine['cpu_model']}, {machine['cpu_cores']} cores, {machine['ram_bytes'] / 2**30:.0f} GiB RAM; "
                     f"GPU: {gpus}; CUDA {machine.get('cuda_toolkit') or '-'}"],
         ["gemmactl", f"{m['gemmactl_version']}; load average (1, 5, 15 min) at start "
@@ -71,6 +74,11 @@ def _setup(result: dict) -> Section:
                    f"predicted {spec['predicted_speedup']:.2f}× plain" if spec.get("predicted_speedup") else None]
         rows.append(["speculation", f"draft {spec['draft']}, {spec['mode']} k≤{spec['k_max']}: {decision}"
                                     + "".join(f", {f}" for f in figures if f)])
+    experts = (result.get("targets", {}).get("gemmactl") or {}).get("experts")
+    if experts:  # the engine's expert cache, its counters over the whole run (warm-up included)
+        from gemmactl.runtime.engine.expert_settings import describe_counters
+
+        rows.append(["experts", describe_counters(experts)])
     notes = [f"{s['target']} skipped: {s['reason']}" for s in result["skipped"]]
     if settings.get("context_note"):
         notes.append(f"context {settings['context_note']}")

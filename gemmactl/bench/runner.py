@@ -52,6 +52,7 @@ class BenchConfig:
     draft: str | None = None  # speculative decoding in llama-server with this draft model
     draft_max: int | None = None
     rpc: tuple[str, ...] = ()  # RPC workers for gemmactl's own target (instead of the tier's rpc)
+    experts: tuple = (None, None, None)  # --expert-cache, --expert-policy, --expert-prefetch over the tier's
     flags: dict = field(default_factory=dict)
     argv: list[str] = field(default_factory=list)
 
@@ -92,6 +93,13 @@ def check_config(config: BenchConfig) -> list[BenchPrompt]:
         raise InvalidOptionError("--rpc measures gemmactl's own target alone: a worker serves one head at a time, "
                                  "and the llama.cpp targets would wait on it",
                                  hint="Leave out --compare llama-server/llama-cpp-python and --concurrency above 1.")
+    from gemmactl.runtime.engine.expert_settings import check_policy, parse_expert_cache
+
+    cache, policy, _ = config.experts
+    if cache is not None:
+        parse_expert_cache(cache)
+    if policy is not None:
+        check_policy(policy)
     if config.draft and "llama-server" not in compare and max(config.concurrency) == 1:
         raise InvalidOptionError("--draft runs speculative decoding in llama-server, and this run starts none",
                                  hint="Add --compare llama-server (or --concurrency 1,N).")
@@ -246,7 +254,7 @@ def _load_fitting(model, tier, request, prompts, config: BenchConfig, store: Sto
     from gemmactl.generate import backend_for, draft_settings_for, expert_settings_for, open_backend
 
     backend = open_backend(model, context=config.context or tier.context, store=store, vram=tier.vram, rpc=tier.rpc,
-                           experts=expert_settings_for(tier), kv_cache=tier.kv_cache, yarn=tier.yarn,
+                           experts=expert_settings_for(tier, *config.experts), kv_cache=tier.kv_cache, yarn=tier.yarn,
                            draft=draft_settings_for(tier, store, engine=backend_for(model) == "int4"))
     try:
         longest = max(len(backend.prepare(replace(request, prompt=p.text)).tokens) for p in _all_prompts(prompts, config))
@@ -266,7 +274,7 @@ def _load_fitting(model, tier, request, prompts, config: BenchConfig, store: Sto
     note = f"raised from the tier's {backend.context_size} to fit {longest} prompt + {config.max_tokens} tokens"
     # llama_cpp is imported by now with the library chosen for the first load: select_library reuses it.
     return open_backend(model, context=_round_up(needed), store=store, vram=tier.vram, rpc=tier.rpc,
-                        experts=expert_settings_for(tier), kv_cache=tier.kv_cache, yarn=tier.yarn,
+                        experts=expert_settings_for(tier, *config.experts), kv_cache=tier.kv_cache, yarn=tier.yarn,
                         draft=draft_settings_for(tier, store, engine=backend_for(model) == "int4")), note
 
 

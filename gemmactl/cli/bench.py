@@ -35,6 +35,9 @@ from gemmactl.cli.types import FiniteFloatRange
                    "reports the acceptance rate. Needs --compare llama-server or --concurrency above 1.")
 @click.option("--draft-max", "draft_max", type=click.IntRange(min=1), metavar="N",
               help="Most tokens the draft proposes per step (default: the tier's speculative draft_max, else 8).")
+@click.option("--expert-cache", "expert_cache", metavar="SIZE|auto|off", help="MoE models on the int4 engine: GPU memory for cached experts (default: the tier's, else auto).")
+@click.option("--expert-policy", "expert_policy", metavar="lru|lfu|hot", help="Which cached expert makes room for a new one (default: the tier's, else lfu).")
+@click.option("--expert-prefetch/--no-expert-prefetch", "expert_prefetch", default=None, help="Copy in the next MoE layer's likely experts ahead of it (default: the tier's, else on).")
 @click.option("--context", type=click.IntRange(min=128), metavar="N", help="Context size (default: the tier's, raised to fit the prompts).")
 @click.option("--timeout", "timeout", type=FiniteFloatRange(min=1), default=600, show_default=True, metavar="S",
               help="Time limit in seconds for each concurrency level.")
@@ -43,13 +46,15 @@ from gemmactl.cli.types import FiniteFloatRange
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), metavar="DIR", help="Write result.json (and plot.png) here.")
 @click.option("--plot", is_flag=True, help="With --out: also write plot.png (tok/s vs concurrency, cold vs warm TTFT).")
 def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_prefix, compare, gguf, hf_model, vram,
-          draft, draft_max, context, timeout, rpc, json_mode, out, plot):
+          draft, draft_max, expert_cache, expert_policy, expert_prefetch, context, timeout, rpc, json_mode, out, plot):
     """Measure decode-only and wall-clock speed, optionally side by side.
 
     Every run reports load time, time to first token, prefill, decode-only and wall-clock tok/s
     and peak memory, with a manifest (versions, build, machine, model sha256, flags). --compare
     runs alternatives on the same model and settings, interleaved, and prints ratios pair by pair.
     With --draft, llama-server decodes speculatively and each run reports its acceptance rate.
+    An MoE model on the int4 engine also reports its expert cache: hit rate, bytes over the link
+    per decoded token, share computed on the CPU.
 
     \b
     Examples:
@@ -58,6 +63,7 @@ def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_pr
       gemmactl bench --concurrency 1,4,16 --out results --plot
       gemmactl bench --compare llama-server --draft draft.gguf --draft-max 8
       gemmactl bench --model e2b-int4 --gguf e2b-Q4_K_M --compare llama-server
+      gemmactl bench --model 26b-a4b-int4 --expert-cache 2G --expert-policy lru
     """
     from gemmactl.bench.report import plot_in_child, render_text, sections, write_result
     from gemmactl.bench.runner import BenchConfig, check_config, parse_concurrency, run_bench
@@ -77,7 +83,8 @@ def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_pr
         recipe=recipe, model=model, tier=tier, prompts=prompts, max_tokens=max_tokens,
         concurrency=parse_concurrency(concurrency), repeat=repeat, warm_prefix=warm_prefix, compare=list(compare),
         gguf=gguf, hf_model=hf_model, vram_bytes=vram_bytes, draft=draft, draft_max=draft_max, context=context, timeout_s=timeout,
-        rpc=_workers(rpc), flags=dict(ctx.params), argv=_command_args(ctx),
+        rpc=_workers(rpc), experts=(expert_cache, expert_policy, expert_prefetch), flags=dict(ctx.params),
+        argv=_command_args(ctx),
     )
     check_config(config)
     if plot:

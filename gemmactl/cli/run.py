@@ -189,12 +189,9 @@ def _engine_text(d: dict) -> str:
         if p.get("predicted_speedup"):
             text += f", predicted {p['predicted_speedup']:.2f}× plain"
     if d.get("experts"):
-        e = d["experts"]
-        rate = "-" if e["hit_rate"] is None else f"{e['hit_rate']:.0%}"
-        text += (f"\nexperts: {e['policy']} cache of {e['capacity_experts']} ({format_size(e['cache_bytes'])}), "
-                 f"hit rate {rate}, {format_size(e.get('link_bytes_per_decode_token') or e['link_bytes_per_token'])} "
-                 "over the link per decoded token, "
-                 f"{e['host_share']:.0%} computed on the CPU")
+        from gemmactl.runtime.engine.expert_settings import describe_counters
+
+        text += f"\nexperts: {describe_counters(d['experts'])}"
     return text
 
 
