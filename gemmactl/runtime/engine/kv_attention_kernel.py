@@ -110,3 +110,63 @@ def weighted_values(w_ptr, vw_ptr, vs_ptr, vl_ptr, out_ptr, S, kv_heads, groups,
         acc += tl.dot(w.to(DOT), (v * scale[:, None]).to(DOT))
     tl.store(out_ptr + ((row_head * shares + share) * groups + g[:, None]) * D + (start + c)[None, :], acc,
              mask=g_ok[:, None])
+
+
+@triton.jit
+def attention_share(q_ptr, kw_ptr, ks_ptr, kl_ptr, vw_ptr, vs_ptr, vl_ptr, kpos_ptr, pos_ptr, out_ptr, stats_ptr, S,
+                    kv_heads, groups, k_row_words, v_row_words, per_share, shares, query_scale, window,
+                    D: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
+                    GROUPS: tl.constexpr, BLOCK: tl.constexpr, KCHUNK: tl.constexpr, CHUNK: tl.constexpr,
+                    DOT: tl.constexpr):
+    """The read in one pass, for one query row's heads of one KV head, a share of the slots and a
+    chunk of CHUNK coordinates of the values: block by block, the keys' scores (every coordinate,
+    KCHUNK at a time, as key_scores computes them), a running maximum m of them, the weights
+    exp(score - m) and the values' chunk weighted by them, the sum so far rescaled whenever m
+    grows. Stores the sum [T·K, shares, groups, D] and, from the first chunk's program, m and the
+    weights' sum [T·K, shares, groups, 2] (float32): the shares are merged after (kv_attention.py).
+    Each chunk's program computes the scores again: for short caches (a sliding window), where a
+    launch and the scores' round trip through memory cost more than the keys' few reads."""
+    row_head = tl.program_id(0)
+    share = tl.program_id(1)
+    start = tl.program_id(2) * CHUNK
+    t = row_head // kv_heads
+    head = row_head % kv_heads
+    g = tl.arange(0, GROUPS)
+    g_ok = g < groups
+    kc = tl.arange(0, KCHUNK)
+    c = tl.arange(0, CHUNK)
+    position = tl.load(pos_ptr + t)
+    top = tl.full((GROUPS,), -3.0e38, dtype=tl.float32)
+    total = tl.zeros((GROUPS,), dtype=tl.float32)
+    acc = tl.zeros((GROUPS, CHUNK), dtype=tl.float32)
+    first = share * per_share
+    for offset in range(0, per_share, BLOCK):
+        slots = first + offset + tl.arange(0, BLOCK)
+        ok = slots < S
+        krow = kw_ptr + ((slots * kv_heads + head) * k_row_words)[:, None]
+        scores = tl.zeros((GROUPS, BLOCK), dtype=tl.float32)
+        for kstart in tl.static_range(0, D, KCHUNK):
+            k = _level(_codes(krow, ok, kstart, KW0, KW1, D * KW0 // 32, KCHUNK), kl_ptr, KW0 == 8, DOT)
+            q = tl.load(q_ptr + (row_head * groups + g[:, None]) * D + (kstart + kc)[None, :], mask=g_ok[:, None],
+                        other=0.0)
+            scores += tl.dot(q.to(DOT), tl.trans(k))
+        kscale = tl.load(ks_ptr + slots * kv_heads + head, mask=ok, other=0.0).to(tl.float32)
+        kpos = tl.load(kpos_ptr + slots, mask=ok, other=-1)
+        seen = ok & (kpos >= 0) & (kpos <= position)
+        if window > 0:
+            seen = seen & (kpos > position - window)
+        scores = tl.where(seen[None, :], scores * (kscale * query_scale)[None, :], -3.0e38)
+        grown = tl.maximum(top, tl.max(scores, axis=1))
+        rescale = tl.exp(top - grown)
+        weights = tl.where(seen[None, :], tl.exp(scores - grown[:, None]), 0.0)  # at most 1
+        total = total * rescale + tl.sum(weights, axis=1)
+        vscale = tl.load(vs_ptr + slots * kv_heads + head, mask=ok, other=0.0).to(tl.float32)
+        vrow = vw_ptr + ((slots * kv_heads + head) * v_row_words)[:, None]
+        v = _level(_codes(vrow, ok, start, VW0, VW1, D * VW0 // 32, CHUNK), vl_ptr, VW0 == 8, tl.float32)
+        acc = acc * rescale[:, None] + tl.dot(weights.to(DOT), (v * vscale[:, None]).to(DOT))
+        top = grown
+    at = (row_head * shares + share) * groups + g
+    tl.store(out_ptr + at[:, None] * D + (start + c)[None, :], acc, mask=g_ok[:, None])
+    if start == 0:
+        tl.store(stats_ptr + at * 2, top, mask=g_ok)
+        tl.store(stats_ptr + at * 2 + 1, total, mask=g_ok)
