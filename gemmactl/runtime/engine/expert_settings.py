@@ -46,15 +46,17 @@ def parse_expert_cache(value: str | int | None, *, option: str = "--expert-cache
 
 def describe_counters(stats: dict) -> str:
     """The expert cache's counters (ExpertCache.stats, as `run --json` and `bench --json` give them)
-    in one line for a person: policy, size, hit rate, bytes over the link per decoded token (a
-    run of prompts alone: per token) and the share of expert uses computed on the host."""
+    in one line for a person: policy, size, hit rate, bytes over the link per decoded token (where
+    nothing was decoded one token at a time: per token, a prompt's included) and the share of expert
+    uses computed on the host."""
     from gemmactl.sizes import format_size
 
     rate = "-" if stats["hit_rate"] is None else f"{stats['hit_rate']:.0%}"
-    link = stats.get("link_bytes_per_decode_token") or stats["link_bytes_per_token"]
+    decoded = stats.get("link_bytes_per_decode_token")
+    link = (f"{format_size(decoded)} over the link per decoded token" if decoded is not None
+            else f"{format_size(stats['link_bytes_per_token'])} over the link per token")
     return (f"{stats['policy']} cache of {stats['capacity_experts']} ({format_size(stats['cache_bytes'])}), "
-            f"hit rate {rate}, {format_size(link)} over the link per decoded token, "
-            f"{stats['host_share']:.0%} computed on the CPU")
+            f"hit rate {rate}, {link}, {stats['host_share']:.0%} computed on the CPU")
 
 
 def check_policy(value: str | None, *, option: str = "--expert-policy") -> str:

@@ -767,9 +767,9 @@ def summarize(cache: ExpertCache, counters: ExpertCounters, store: ExpertStore) 
     uses = max(counters.uses, 1)
     layers = len(counters.per_layer_uses)
     per_token = counters.copied_bytes / counters.tokens * layers if counters.tokens else 0
-    per_decode = counters.decode_bytes / counters.decode_tokens * layers if counters.decode_tokens else 0
+    per_decode = counters.decode_bytes / counters.decode_tokens * layers if counters.decode_tokens else None
     return {**cache.stats(), "prefetched": counters.prefetched, "prefetch_hits": counters.prefetch_hits,
             "expert_bytes": store.expert_bytes, "experts_host_bytes": store.host_bytes(),
             "cache_bytes": cache.capacity * store.expert_bytes, "copied": counters.copied,
             "link_bytes_per_token": round(per_token),
-            "link_bytes_per_decode_token": round(per_decode), "host_share": round(counters.host_computed / uses, 4)}
+            "link_bytes_per_decode_token": None if per_decode is None else round(per_decode), "host_share": round(counters.host_computed / uses, 4)}
