@@ -157,7 +157,7 @@ def one_pass(slots: int) -> bool:
     """Whether a read over slots slots goes in one pass (attention_share: scores, weights and values
     in one kernel, the scores computed again for each chunk of the values' coordinates) or two
     (key_scores, the softmax in torch, weighted_values). PASS_ENV chooses; auto reads caches of at
-    most ONE_PASS_SLOTS slots in one."""
+    most ONE_PASS_SLOTS slots (none: measured slower) in one."""
     setting = os.environ.get(PASS_ENV, "auto").strip().lower()
     if setting in ("one", "two"):
         return setting == "one"

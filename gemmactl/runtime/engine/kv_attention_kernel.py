@@ -124,8 +124,9 @@ def attention_share(q_ptr, kw_ptr, ks_ptr, kl_ptr, vw_ptr, vs_ptr, vl_ptr, kpos_
     exp(score - m) and the values' chunk weighted by them, the sum so far rescaled whenever m
     grows. Stores the sum [T·K, shares, groups, D] and, from the first chunk's program, m and the
     weights' sum [T·K, shares, groups, 2] (float32): the shares are merged after (kv_attention.py).
-    Each chunk's program computes the scores again: for short caches (a sliding window), where a
-    launch and the scores' round trip through memory cost more than the keys' few reads."""
+    Each chunk's program computes the scores again. Written for short caches (a sliding window),
+    to save a launch and the scores' trip through memory; measured slower than the two kernels on
+    an H100 even there (docs/benchmarks.md), so the engine reads in two passes by default."""
     row_head = tl.program_id(0)
     share = tl.program_id(1)
     start = tl.program_id(2) * CHUNK
