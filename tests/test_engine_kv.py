@@ -642,3 +642,20 @@ def test_the_read_tile_is_forced_or_refused(monkeypatch):
     for bad in ("8,128,64,128,4", "32,16,64,128,4", "32,128,64,96,4", "32,128,64,128,3", "a,b", "32,128"):
         with pytest.raises(ValueError, match="KV_READ_TILE"):
             forced(bad)
+
+
+def test_the_read_pass_is_chosen_or_refused(monkeypatch):
+    """GEMMACTL_KV_READ_PASS reads in one pass (one), two (two), one up to N slots (N), or as the
+    engine chooses (auto: two everywhere, as measured); anything else is refused, naming the forms."""
+    from gemmactl.runtime.engine import kv_attention
+
+    def chosen(value, slots):
+        monkeypatch.setenv(kv_attention.PASS_ENV, value)
+        return kv_attention.one_pass(slots)
+
+    assert not chosen("auto", 512) and not chosen("two", 512) and chosen("one", 32768)
+    assert chosen("4096", 512) and not chosen("4096", 32768)
+    monkeypatch.delenv(kv_attention.PASS_ENV)
+    assert kv_attention.one_pass(512) == (512 <= kv_attention.ONE_PASS_SLOTS)
+    with pytest.raises(ValueError, match="expected auto, one, two or a number of slots"):
+        chosen("fast", 512)
