@@ -3,7 +3,7 @@ against torch's attention over the same slots in bfloat16.
 
     python benchmarks/kv_read_gpu.py [--slots 4096 32768 131072] [--rows 1 5] [--modes int8 tq4 tq3]
                                      [--heads 2 --groups 4 --dim 512] [--graph] [--out FILE]
-                                     [--tiles 32,128,64,128,4 64,128,128,128,8 ...] [--passes two one]
+                                     [--tiles 32,128,64,128,4 64,128,128,128,8 ...]
 
 The shape defaults to an E4B-shaped global layer (2 KV heads, 4 query heads each, 512 wide).
 Each cache is filled with random keys and values at every slot; each read is timed with CUDA
@@ -16,8 +16,6 @@ is measured by `plan --verify` at a context, docs/benchmarks.md). "bytes" is wha
 fetch of the cache, so bytes / time is the bandwidth the read reaches. Prints one JSON object (and
 writes it to --out). --tiles: each quantized read once a tile (GEMMACTL_KV_READ_TILE's form:
 SCORE_BLOCK,SCORE_CHUNK,VALUE_BLOCK,VALUE_CHUNK,WARPS[,PROGRAMS_PER_SM]), the engine's own first.
---passes: each quantized read in two passes (scores, softmax, values) and/or one
-(GEMMACTL_KV_READ_PASS; default: the engine's own choice, auto).
 """
 
 from __future__ import annotations
@@ -103,8 +101,6 @@ def main() -> None:
     parser.add_argument("--graph", action="store_true", help="time the read captured in a CUDA graph")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiles", nargs="+", default=[], help="read tiles to sweep (the engine's own first)")
-    parser.add_argument("--passes", nargs="+", default=["auto"], choices=["auto", "one", "two"],
-                        help="the read in two passes, one, or as the engine chooses")
     args = parser.parse_args()
     import os
 
@@ -126,21 +122,18 @@ def main() -> None:
             base = measure("bf16", slots, rows, args.heads, args.groups, args.dim, args.graph)
             results.append(base)
             for mode in args.modes:
-                for passes in args.passes:
-                    os.environ[kv_attention.PASS_ENV] = passes
-                    for tile in [""] + args.tiles:
-                        name = tiled(tile)
-                        try:
-                            row = measure(mode, slots, rows, args.heads, args.groups, args.dim, args.graph)
-                        except Exception as error:  # a tile that does not compile or fit: noted, the sweep goes on
-                            row = {"mode": mode, "slots": slots, "rows": rows, "error": str(error)[:300]}
-                        row["tile"], row["pass"] = name, passes
-                        if "ms" in row:
-                            row["vs_bf16"] = round(base["ms"] / row["ms"], 3)
-                        results.append(row)
-                        print(json.dumps(row), file=sys.stderr)
+                for tile in [""] + args.tiles:
+                    name = tiled(tile)
+                    try:
+                        row = measure(mode, slots, rows, args.heads, args.groups, args.dim, args.graph)
+                    except Exception as error:  # a tile that does not compile or fit: noted, the sweep goes on
+                        row = {"mode": mode, "slots": slots, "rows": rows, "error": str(error)[:300]}
+                    row["tile"] = name
+                    if "ms" in row:
+                        row["vs_bf16"] = round(base["ms"] / row["ms"], 3)
+                    results.append(row)
+                    print(json.dumps(row), file=sys.stderr)
     tiled("")
-    os.environ.pop(kv_attention.PASS_ENV, None)
     report = {"device": torch.cuda.get_device_name(), "graph": args.graph, "heads": args.heads, "groups": args.groups, "dim": args.dim,
               "reads": results}
     text = json.dumps(report, indent=1)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_gpu import kernel_times  # noqa: E402
 
-READ_KERNELS = ("quantized_attention", "key_scores", "weighted_values", "attention_share")
+READ_KERNELS = ("quantized_attention", "key_scores", "weighted_values")
 READ_OPS = "gemmactl::"  # the read's custom ops (kv_attention.py), by the shapes they are called with
 
 

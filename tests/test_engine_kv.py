@@ -370,13 +370,10 @@ from gemmactl.runtime.engine import kv_attention
 from gemmactl.runtime.engine.kv import make_cache
 from gemmactl.runtime.engine.model import GemmaModel
 
-# the kernels alone against attention over the decoded cache: every mode, in two passes and in one,
-# unwritten slots, a window, grouped heads, several query rows at different positions, slots no
-# multiple of a block (once)
+# the kernel alone against attention over the decoded cache: every mode, unwritten slots, a window,
+# grouped heads, several query rows at different positions, slots no multiple of a block (once)
 torch.manual_seed(0)
-for mode, passes in (("int8", "two"), ("tq4", "two"), ("tq3", "two"), ("int8", "one"), ("tq4", "one"),
-                     ("tq3", "one")) if sys.argv[2] == "alone" else ():
-    kv_attention.os.environ[kv_attention.PASS_ENV] = passes
+for mode in ("int8", "tq4", "tq3") if sys.argv[2] == "alone" else ():
     for slots, heads, groups, dim, rows, window in ((40, 2, 4, 32, 1, 0), (37, 1, 8, 64, 3, 16), (70, 2, 2, 32, 2, 0),
                                                      (45, 2, 4, 256, 2, 0)):  # fields wide enough for tl.dot
         cache = make_cache(mode, slots, heads, dim, False, torch.float32, "cpu")
@@ -394,8 +391,7 @@ for mode, passes in (("int8", "two"), ("tq4", "two"), ("tq3", "two"), ("int8", "
         parts = cache.fused_parts(slots)
         got = kv_attention.quantized_attention(q, *parts["k"], *parts["v"], cache.pos, positions, parts["k_bits"],
                                                parts["v_bits"], 0.125, window)
-        assert (got - want).abs().max() <= 0.02 * want.abs().max(), (mode, passes, slots, rows, window)
-kv_attention.os.environ.pop(kv_attention.PASS_ENV, None)
+        assert (got - want).abs().max() <= 0.02 * want.abs().max(), (mode, slots, rows, window)
 
 # the write's kernel (kv_turn.py) against the torch write (check_turned_write, defined above)
 kv_attention.os.environ[kv_attention.ENV] = "on"
@@ -422,8 +418,7 @@ def both(self, layer, q, cache, held, positions, **turned):
 
 GemmaModel._scores_fused = both
 kv_attention.os.environ[kv_attention.ENV] = "on"
-for mode, passes in (("tq4", "two"), ("tq3", "two"), ("int8", "two"), ("tq4", "one"), ("int8", "one")):
-    kv_attention.os.environ[kv_attention.PASS_ENV] = passes
+for mode in ("tq4", "tq3", "int8"):
     engine = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=48, kv_mode=mode)
     for bounded in (True, False):
         engine.reset()
@@ -575,8 +570,8 @@ def _compile_for_sm90(kernel, signature: dict, constexprs: dict, warps: int = 4)
 
 
 def test_kv_kernels_compile_for_the_gpu():
-    """The KV kernels of every engine mode (the read's two, its one pass, the turbo modes' write)
-    compile for the GPU (offline, here on the CPU) at the default tiles and head dims 64, 256 and 512: a kernel the
+    """The KV kernels of every engine mode (the read's two, the turbo modes' write) compile for the
+    GPU (offline, here on the CPU) at the default tiles and head dims 64, 256 and 512: a kernel the
     interpreter runs may still fail to compile (a reassigned constexpr once did), and only a GPU
     run would have told."""
     pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
@@ -597,10 +592,6 @@ def test_kv_kernels_compile_for_the_gpu():
     values = {"w_ptr": "*fp32", "vw_ptr": "*i32", "vs_ptr": "*fp16", "vl_ptr": "*fp32", "out_ptr": "*fp32",
               "S": "i32", "kv_heads": "i32", "groups": "i32", "row_words": "i32", "per_share": "i32",
               "shares": "i32"}
-    one_pass = {"q_ptr": "*fp32", "kw_ptr": "*i32", "ks_ptr": "*fp16", "kl_ptr": "*fp32", "vw_ptr": "*i32",
-                "vs_ptr": "*fp16", "vl_ptr": "*fp32", "kpos_ptr": "*i64", "pos_ptr": "*i64", "out_ptr": "*fp32",
-                "stats_ptr": "*fp32", "S": "i32", "kv_heads": "i32", "groups": "i32", "k_row_words": "i32",
-                "v_row_words": "i32", "per_share": "i32", "shares": "i32", "query_scale": "fp32", "window": "i32"}
     for mode, (k_bits, v_bits) in {"int8": (8, 8), **TURBO_BITS}.items():
         (k0, k1), (v0, v1) = code_planes(k_bits), code_planes(v_bits)
         for dim in (64, 256, 512):
@@ -610,10 +601,6 @@ def test_kv_kernels_compile_for_the_gpu():
                               tiles.warps)
             _compile_for_sm90(kv_attention_kernel.weighted_values, values,
                               dict(read, W0=v0, W1=v1, BLOCK=tiles.value_block, CHUNK=min(tiles.value_chunk, dim)),
-                              tiles.warps)
-            _compile_for_sm90(kv_attention_kernel.attention_share, one_pass,
-                              dict(read, KW0=k0, KW1=k1, VW0=v0, VW1=v1, BLOCK=tiles.score_block,
-                                   KCHUNK=min(tiles.score_chunk, dim), CHUNK=min(tiles.value_chunk, dim)),
                               tiles.warps)
             if mode == "int8":  # no rotation: the turn kernels are the turbo modes'
                 continue
@@ -642,20 +629,3 @@ def test_the_read_tile_is_forced_or_refused(monkeypatch):
     for bad in ("8,128,64,128,4", "32,16,64,128,4", "32,128,64,96,4", "32,128,64,128,3", "a,b", "32,128"):
         with pytest.raises(ValueError, match="KV_READ_TILE"):
             forced(bad)
-
-
-def test_the_read_pass_is_chosen_or_refused(monkeypatch):
-    """GEMMACTL_KV_READ_PASS reads in one pass (one), two (two), one up to N slots (N), or as the
-    engine chooses (auto: two everywhere, as measured); anything else is refused, naming the forms."""
-    from gemmactl.runtime.engine import kv_attention
-
-    def chosen(value, slots):
-        monkeypatch.setenv(kv_attention.PASS_ENV, value)
-        return kv_attention.one_pass(slots)
-
-    assert not chosen("auto", 512) and not chosen("two", 512) and chosen("one", 32768)
-    assert chosen("4096", 512) and not chosen("4096", 32768)
-    monkeypatch.delenv(kv_attention.PASS_ENV)
-    assert kv_attention.one_pass(512) == (512 <= kv_attention.ONE_PASS_SLOTS)
-    with pytest.raises(ValueError, match="expected auto, one, two or a number of slots"):
-        chosen("fast", 512)

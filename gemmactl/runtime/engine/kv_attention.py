@@ -134,39 +134,15 @@ def _kernel():
     return triton, kernels, tl.float16
 
 
-def shares_for(slots: int, programs: int, device: torch.device, block: int | None = None) -> tuple[int, int]:
+def shares_for(slots: int, programs: int, device: torch.device) -> tuple[int, int]:
     """(shares, slots per share) for `programs` programs a share over slots: enough shares that the
     GPU's multiprocessors each get the read tile's programs_per_sm programs (PROGRAMS_PER_SM by
-    default), a whole number of blocks each (block slots: the value block by default)."""
+    default), a whole number of its value blocks each."""
     tile = read_tile()
-    block = block or tile.value_block
-    blocks = -(-slots // block)
+    blocks = -(-slots // tile.value_block)
     shares = max(1, min(blocks, -(-tile.programs_per_sm * _sms(device) // max(programs, 1))))
-    per = -(-blocks // shares) * block
+    per = -(-blocks // shares) * tile.value_block
     return -(-slots // per), per
-
-
-PASS_ENV = "GEMMACTL_KV_READ_PASS"  # auto | one | two | N: caches of at most N slots read in one pass
-# auto: the most slots read in one pass. 0: every read in two. Measured on an H100 (tq4, E4B's
-# shapes, captured): one pass 0.0262 ms against two passes' 0.0154 for a 512-slot window, 0.309
-# against 0.122 at 32K (docs/benchmarks.md), so it is off.
-ONE_PASS_SLOTS = 0
-
-
-def one_pass(slots: int) -> bool:
-    """Whether a read over slots slots goes in one pass (attention_share: scores, weights and values
-    in one kernel, the scores computed again for each chunk of the values' coordinates) or two
-    (key_scores, the softmax in torch, weighted_values). PASS_ENV chooses; auto reads caches of at
-    most ONE_PASS_SLOTS slots (none: measured slower) in one."""
-    setting = os.environ.get(PASS_ENV, "auto").strip().lower()
-    if setting in ("one", "two"):
-        return setting == "one"
-    if setting == "auto":
-        return slots <= ONE_PASS_SLOTS
-    if setting.isdigit():
-        return slots <= int(setting)
-    raise ValueError(f"{PASS_ENV}={setting}: expected auto, one, two or a number of slots; unset it for the "
-                     "engine's own choice")
 
 
 def _group_block(groups: int) -> int:
@@ -228,44 +204,6 @@ def _(weights, v_codes, v_scales, v_levels, kv_heads, v_bits):
     return weights.new_empty((rows, shares, groups, dim), dtype=torch.float32)
 
 
-@torch.library.custom_op("gemmactl::quantized_attention_shares", mutates_args=())
-def quantized_attention_shares(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, k_levels: torch.Tensor,
-                               v_codes: torch.Tensor, v_scales: torch.Tensor, v_levels: torch.Tensor,
-                               key_positions: torch.Tensor, positions: torch.Tensor, k_bits: int, v_bits: int,
-                               query_scale: float, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The read in one pass (attention_share): each share's values weighted by exp(score - the
-    share's largest score) [T·K, shares, g, D] and that largest score and the weights' sum
-    [T·K, shares, g, 2], float32."""
-    triton, kernels, dot = _kernel()
-    t, kv_heads, groups, dim = q.shape
-    slots = k_codes.shape[0]
-    k0, k1 = code_planes(k_bits)
-    v0, v1 = code_planes(v_bits)
-    tile = read_tile()
-    chunk = min(tile.value_chunk, dim)
-    shares, per = shares_for(slots, t * kv_heads * (dim // chunk), q.device, tile.score_block)
-    parts = torch.empty((t * kv_heads, shares, groups, dim), dtype=torch.float32, device=q.device)
-    stats = torch.empty((t * kv_heads, shares, groups, 2), dtype=torch.float32, device=q.device)
-    kernels.attention_share[(t * kv_heads, shares, dim // chunk)](
-        q.contiguous(), k_codes.view(torch.int32), k_scales, k_levels, v_codes.view(torch.int32), v_scales, v_levels,
-        key_positions, positions, parts, stats, slots, kv_heads, groups, k_codes.shape[-1] // 4,
-        v_codes.shape[-1] // 4, per, shares, query_scale, window, D=dim, KW0=k0, KW1=k1, VW0=v0, VW1=v1,
-        GROUPS=_group_block(groups), BLOCK=tile.score_block, KCHUNK=min(tile.score_chunk, dim), CHUNK=chunk, DOT=dot,
-        num_warps=tile.warps)
-    return parts, stats
-
-
-@quantized_attention_shares.register_fake
-def _(q, k_codes, k_scales, k_levels, v_codes, v_scales, v_levels, key_positions, positions, k_bits, v_bits,
-      query_scale, window):
-    t, kv_heads, groups, dim = q.shape
-    tile = read_tile()
-    shares, _ = shares_for(k_codes.shape[0], t * kv_heads * (dim // min(tile.value_chunk, dim)), q.device,
-                           tile.score_block)
-    return (q.new_empty((t * kv_heads, shares, groups, dim), dtype=torch.float32),
-            q.new_empty((t * kv_heads, shares, groups, 2), dtype=torch.float32))
-
-
 def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, k_levels: torch.Tensor,
                         v_codes: torch.Tensor, v_scales: torch.Tensor, v_levels: torch.Tensor,
                         key_positions: torch.Tensor, positions: torch.Tensor, k_bits: int, v_bits: int,
@@ -279,15 +217,6 @@ def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.
     t, kv_heads, groups, dim = q.shape
     if not shape_fits(dim):  # the kernels would read past a vector's chunk, or leave part of one unwritten
         raise ValueError(f"the fused KV read takes head dims that are powers of two from 32, not {dim}")
-    if one_pass(k_codes.shape[0]):
-        parts, stats = quantized_attention_shares(q, k_codes, k_scales, k_levels, v_codes, v_scales, v_levels,
-                                                  key_positions, positions, k_bits, v_bits, query_scale, window)
-        # the shares merged: each rescaled to the largest score of all (a share that saw no slot has
-        # a largest score of -3e38 and a weight of 0), then divided by the weights' sum
-        top, total = stats[..., 0], stats[..., 1]
-        rescale = torch.exp(top - top.amax(1, keepdim=True))
-        out = (parts * rescale[..., None]).sum(1) / (total * rescale).sum(1)[..., None]
-        return out.reshape(t, kv_heads, groups, dim)
     scores = quantized_key_scores(q, k_codes, k_scales, k_levels, key_positions, positions, k_bits, query_scale,
                                   window)
     # The softmax over a few rows' scores (16 bytes a slot and KV head for Gemma 4's 4 query heads a
