@@ -10,6 +10,7 @@ import click
 
 from gemmactl.cli import complete
 from gemmactl.cli.output import emit_json, progress_enabled
+from gemmactl.cli.run import expert_options
 from gemmactl.cli.types import FiniteFloatRange
 
 
@@ -35,9 +36,7 @@ from gemmactl.cli.types import FiniteFloatRange
                    "reports the acceptance rate. Needs --compare llama-server or --concurrency above 1.")
 @click.option("--draft-max", "draft_max", type=click.IntRange(min=1), metavar="N",
               help="Most tokens the draft proposes per step (default: the tier's speculative draft_max, else 8).")
-@click.option("--expert-cache", "expert_cache", metavar="SIZE|auto|off", help="MoE models on the int4 engine: GPU memory for cached experts (default: the tier's, else auto).")
-@click.option("--expert-policy", "expert_policy", metavar="lru|lfu|hot", help="Which cached expert makes room for a new one (default: the tier's, else lfu).")
-@click.option("--expert-prefetch/--no-expert-prefetch", "expert_prefetch", default=None, help="Copy in the next MoE layer's likely experts ahead of it (default: the tier's, else on).")
+@expert_options
 @click.option("--context", type=click.IntRange(min=128), metavar="N", help="Context size (default: the tier's, raised to fit the prompts).")
 @click.option("--timeout", "timeout", type=FiniteFloatRange(min=1), default=600, show_default=True, metavar="S",
               help="Time limit in seconds for each concurrency level.")

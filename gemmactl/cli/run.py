@@ -13,6 +13,17 @@ from gemmactl.cli.types import NON_NEGATIVE
 from gemmactl.sizes import format_size
 
 
+def expert_options(command):
+    """--expert-cache, --expert-policy and --expert-prefetch, as `run` and `bench` take them."""
+    for option in reversed((
+        click.option("--expert-cache", "expert_cache", metavar="SIZE|auto|off", help="MoE models on the int4 engine: GPU memory for cached experts (default: the tier's, else auto: the room the plan leaves)."),
+        click.option("--expert-policy", "expert_policy", metavar="lru|lfu|hot", help="Which cached expert makes room for a new one (default: the tier's, else lfu)."),
+        click.option("--expert-prefetch/--no-expert-prefetch", "expert_prefetch", default=None, help="Copy in the next MoE layer's likely experts ahead of it (default: the tier's, else on)."),
+    )):
+        command = option(command)
+    return command
+
+
 @click.command("run")
 @click.argument("prompt", nargs=-1)
 @click.option("--tier", "tier", metavar="NAME", shell_complete=complete.tiers, help="Use this tier, whatever the prefix or heuristic says.")
@@ -26,9 +37,7 @@ from gemmactl.sizes import format_size
 @click.option("--raw", is_flag=True, help="Send the prompt as is: no chat template, no question frame.")
 @click.option("--stats", is_flag=True, help="Print the routing decision and speed figures to stderr.")
 @click.option("--rpc", "rpc", multiple=True, metavar="HOST:PORT[=SIZE]", help="RPC workers (`gemmactl worker`) that take a share of a GGUF's layers; repeatable or comma-separated (default: the tier's rpc).")
-@click.option("--expert-cache", "expert_cache", metavar="SIZE|auto|off", help="MoE models on the int4 engine: GPU memory for cached experts (default: the tier's, else auto: the room the plan leaves).")
-@click.option("--expert-policy", "expert_policy", metavar="lru|lfu|hot", help="Which cached expert makes room for a new one (default: the tier's, else lfu).")
-@click.option("--expert-prefetch/--no-expert-prefetch", "expert_prefetch", default=None, help="Copy in the next MoE layer's likely experts ahead of it (default: the tier's, else on).")
+@expert_options
 @click.option("--kv-cache", "kv_cache", metavar="MODE", help="KV cache mode: bf16, int8, tq4 or tq3 on the int4 engine; f16, q8_0 or q4_0 on llama.cpp (default: the tier's).")
 @click.option("--yarn", "yarn", type=click.FloatRange(min=1, max=64), metavar="FACTOR", help="YaRN rope scaling of the global layers by FACTOR (int4 engine; default: the tier's).")
 @click.option("--draft", "draft", metavar="MODEL", shell_complete=complete.models, help="Speculative decoding on the int4 engine with this draft (an int4-stream artifact of the same vocabulary; default: the tier's speculative draft_model).")

@@ -772,4 +772,5 @@ def summarize(cache: ExpertCache, counters: ExpertCounters, store: ExpertStore) 
             "expert_bytes": store.expert_bytes, "experts_host_bytes": store.host_bytes(),
             "cache_bytes": cache.capacity * store.expert_bytes, "copied": counters.copied,
             "link_bytes_per_token": round(per_token),
-            "link_bytes_per_decode_token": None if per_decode is None else round(per_decode), "host_share": round(counters.host_computed / uses, 4)}
+            "link_bytes_per_decode_token": None if per_decode is None else round(per_decode),
+            "host_share": round(counters.host_computed / uses, 4)}
