@@ -325,13 +325,16 @@ class _Reader:
         if "expert_prefetch" in values:
             changes["expert_prefetch"] = self.boolean(values["expert_prefetch"])
         if "kv_cache" in values:
-            from gemmactl.runtime.engine.kv_modes import ENGINE_MODES, LLAMACPP_MODES
+            from gemmactl.runtime.engine.kv_modes import ENGINE_MODES, LLAMACPP_MODES, mode_problem
 
             entry = values["kv_cache"]
-            known = ENGINE_MODES if changes.get("backend", "llamacpp") == "int4" else LLAMACPP_MODES
-            if _scalar(entry.value) not in known:
-                raise self.error(entry.value, f"{entry.path} must be one of {', '.join(known)} with backend "
-                                              f"{changes.get('backend', 'llamacpp')}, got {_shown(entry.value)}")
+            backend = changes.get("backend", "llamacpp")
+            known = ", ".join(ENGINE_MODES if backend == "int4" else LLAMACPP_MODES)
+            if backend == "int4":
+                known += " (or GLOBAL/WINDOWS, e.g. tq4/bf16)"
+            if not isinstance(_scalar(entry.value), str) or mode_problem(_scalar(entry.value), backend):
+                raise self.error(entry.value, f"{entry.path} must be one of {known} with backend "
+                                              f"{backend}, got {_shown(entry.value)}")
             changes["kv_cache"] = _scalar(entry.value)
         if "yarn" in values:
             if changes.get("backend", "llamacpp") != "int4":

@@ -153,6 +153,35 @@ def test_modes_in_the_engine_chunked_or_not_and_their_distance_from_bf16(artifac
     assert 0 < kld["int8"] < kld["tq4"] < kld["tq3"], kld
 
 
+def test_the_sliding_windows_take_their_own_mode(artifacts, monkeypatch):
+    """GLOBAL/WINDOWS: the global layers' caches in the first mode, the sliding layers' windows in
+    the second; a mode named twice is that mode (the same logits); prefill whole or in chunks
+    gives the same tokens."""
+    from gemmactl.runtime.engine import kv
+    from gemmactl.runtime.engine.kv_modes import layer_mode
+    from gemmactl.runtime.engine.model import GemmaModel
+    from gemmactl.runtime.engine.spec import SLIDING
+
+    monkeypatch.setattr(kv, "CENTRE_TOKENS", 16)
+    assert (layer_mode("tq4/bf16", SLIDING), layer_mode("tq4/bf16", "full_attention")) == ("bf16", "tq4")
+    assert layer_mode("tq3", SLIDING) == "tq3" and layer_mode(None, SLIDING) == "bf16"
+    artifact = artifacts("gemma3-tiny")
+    prompt = (PROMPT * 5)[:37]
+    logits = {}
+    for mode in ("tq4/bf16", "tq4/tq4", "tq4"):
+        engine = GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64, kv_mode=mode)
+        kinds = {layer.index: layer.kind for layer in engine.spec.layers}
+        assert {kinds[i] for i in engine.caches} == {SLIDING, "full_attention"}
+        for index, cache in engine.caches.items():
+            assert cache.mode == layer_mode(mode, kinds[index]), (mode, index)
+        whole = engine_greedy(engine, prompt, 12)
+        chunked = engine_greedy(engine, prompt, 12, chunk=17)
+        assert chunked[0] == whole[0], mode
+        logits[mode] = whole[1]
+    assert torch.equal(logits["tq4/tq4"], logits["tq4"])
+    assert not torch.equal(logits["tq4/bf16"], logits["tq4"])
+
+
 @pytest.mark.parametrize("kind", ["gemma3-tiny", "shared-kv"])
 @pytest.mark.parametrize("mode", ["int8", "tq4"])
 @pytest.mark.parametrize("bounded", [True, False])
@@ -236,12 +265,17 @@ def test_run_takes_the_kv_cache_mode_on_both_backends(tiny_checkpoint, tmp_path,
                          "--kv-cache", "tq4", "Hello"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["model"]["engine"]["kv_cache"] == "tq4"
+    proc = run_gemmactl(["run", "--model", str(folder), "--raw", "--json", "--temperature", "0", "--max-tokens", "4",
+                         "--kv-cache", "tq4/bf16", "Hello"])
+    assert proc.returncode == 0 and json.loads(proc.stdout)["model"]["engine"]["kv_cache"] == "tq4/bf16", proc.stderr[-2000:]
     result = invoke(runner, ["run", "--raw", "--temperature", "0", "--max-tokens", "6", "--kv-cache", "q8_0",
                              "The capital of France is"])
     assert result.exit_code == 0 and result.output.strip(), result.output
     for args, message in ((["--kv-cache", "tq4"], "not a KV cache mode of llama.cpp"),
                           (["--yarn", "4"], "YaRN factor is applied by the int4 engine"),
-                          (["--model", str(folder), "--kv-cache", "q4_0"], "not a KV cache mode of the int4 engine")):
+                          (["--model", str(folder), "--kv-cache", "q4_0"], "not a KV cache mode of the int4 engine"),
+                          (["--model", str(folder), "--kv-cache", "tq4/q4_0"], "GLOBAL/WINDOWS"),
+                          (["--kv-cache", "q8_0/f16"], "one KV cache type for every layer")):
         result = invoke(runner, ["run", *args, "hello"])
         assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output, result.output
 

@@ -378,8 +378,12 @@ def test_the_kv_mode_sizes_the_caches_and_context_max_finds_the_longest(artifact
     assert _work_bytes(spec, 4096, "tq4") - reads[4096] == _work_bytes(spec, 16, "tq4") - reads[16] \
         < _work_bytes(spec, 4096, "bf16")
 
-    kv = {mode: plan_engine(artifact, PROFILE, 64 << 30, 4096, mode).gpu_bytes["kv"] for mode in ("bf16", "int8", "tq4", "tq3")}
+    modes = ("bf16", "int8", "tq4", "tq3", "tq4/bf16", "bf16/tq4")
+    kv = {mode: plan_engine(artifact, PROFILE, 64 << 30, 4096, mode).gpu_bytes["kv"] for mode in modes}
     assert kv["bf16"] > kv["int8"] > kv["tq4"] > kv["tq3"] > 0
+    # GLOBAL/WINDOWS: each layer's cache in its kind's mode, so the two mixes add up to the plain modes
+    assert kv["tq4"] < kv["tq4/bf16"] < kv["bf16"] and kv["tq4"] < kv["bf16/tq4"] < kv["bf16"]
+    assert kv["tq4/bf16"] + kv["bf16/tq4"] == kv["tq4"] + kv["bf16"]
     budget = plan_engine(artifact, PROFILE, 64 << 30, 1024).minimum_vram_bytes
     longest = {mode: longest_context(artifact, PROFILE, budget, mode) for mode in ("bf16", "tq4")}
     assert longest["bf16"] == 1024 and longest["tq4"] >= 3 * longest["bf16"]

@@ -471,8 +471,12 @@ def test_kv_cache_and_yarn_fields_follow_the_tiers_backend():
                           "  deep:\n    model: b\n    backend: int4\n    kv_cache: tq4\n    yarn: 4\n")
     assert recipe.tiers["fast"].kv_cache == "q8_0" and recipe.tiers["fast"].yarn is None
     assert (recipe.tiers["deep"].kv_cache, recipe.tiers["deep"].yarn) == ("tq4", 4.0)
+    mixed = parse_recipe("tiers:\n  deep:\n    model: b\n    backend: int4\n    kv_cache: tq4/bf16\n")
+    assert mixed.tiers["deep"].kv_cache == "tq4/bf16"  # the sliding windows' own mode
     for text, message in (("    kv_cache: tq4\n", r"tiers\.fast\.kv_cache must be one of f16, q8_0, q4_0 with backend llamacpp"),
-                          ("    backend: int4\n    kv_cache: q4_0\n", r"must be one of bf16, int8, tq4, tq3 with backend int4"),
+                          ("    kv_cache: q8_0/f16\n", r"must be one of f16, q8_0, q4_0 with backend llamacpp, got 'q8_0/f16'"),
+                          ("    backend: int4\n    kv_cache: q4_0\n", r"must be one of bf16, int8, tq4, tq3 \(or GLOBAL/WINDOWS"),
+                          ("    backend: int4\n    kv_cache: tq4/bf16/int8\n", r"with backend int4, got 'tq4/bf16/int8'"),
                           ("    yarn: 4\n", r"tiers\.fast\.yarn needs backend: int4"),
                           ("    backend: int4\n    yarn: 0.5\n", r"a YaRN factor from 1 to 64")):
         with pytest.raises(RecipeError, match=message):

@@ -28,7 +28,7 @@ class ContextLength(click.ParamType):
 @click.option("--vram", metavar="SIZE", help="GPU memory to plan for (default: the GPU's free memory, or the profile's).")
 @click.option("--ram", metavar="SIZE", help="RAM to plan for (default: this machine's, or the profile's).")
 @click.option("--context", type=ContextLength(), default="8192", show_default=True, metavar="N|max", help="Context length in tokens, per sequence; max: the longest the int4 engine's plan fits in the budget (it also names the longest that keeps every layer on the GPU).")
-@click.option("--kv-cache", "kv_cache", metavar="MODE", help="The KV cache mode to size: bf16 (default), int8, tq4 or tq3 with --backend int4; f16 (default), q8_0 or q4_0 for llama.cpp.")
+@click.option("--kv-cache", "kv_cache", metavar="MODE", help="The KV cache mode to size: bf16 (default), int8, tq4 or tq3 with --backend int4 (GLOBAL/WINDOWS, e.g. tq4/bf16, gives the sliding windows their own); f16 (default), q8_0 or q4_0 for llama.cpp.")
 @click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True, metavar="N", help="Sequences served at once (each gets --context).")
 @click.option("--backend", type=click.Choice(["llamacpp", "int4"]), default="llamacpp", show_default=True, help="Runtime the plan is for.")
 @click.option("--quant", metavar="TYPE", help="For a checkpoint or a config-only folder: the quantization to plan for (Q4_K_M, Q8_0, BF16, int4-g32, ...; a config alone defaults to Q4_K_M).")

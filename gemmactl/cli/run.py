@@ -38,7 +38,7 @@ def expert_options(command):
 @click.option("--stats", is_flag=True, help="Print the routing decision and speed figures to stderr.")
 @click.option("--rpc", "rpc", multiple=True, metavar="HOST:PORT[=SIZE]", help="RPC workers (`gemmactl worker`) that take a share of a GGUF's layers; repeatable or comma-separated (default: the tier's rpc).")
 @expert_options
-@click.option("--kv-cache", "kv_cache", metavar="MODE", help="KV cache mode: bf16, int8, tq4 or tq3 on the int4 engine; f16, q8_0 or q4_0 on llama.cpp (default: the tier's).")
+@click.option("--kv-cache", "kv_cache", metavar="MODE", help="KV cache mode: bf16, int8, tq4 or tq3 on the int4 engine (GLOBAL/WINDOWS, e.g. tq4/bf16, gives the sliding windows their own); f16, q8_0 or q4_0 on llama.cpp (default: the tier's).")
 @click.option("--yarn", "yarn", type=click.FloatRange(min=1, max=64), metavar="FACTOR", help="YaRN rope scaling of the global layers by FACTOR (int4 engine; default: the tier's).")
 @click.option("--draft", "draft", metavar="MODEL", shell_complete=complete.models, help="Speculative decoding on the int4 engine with this draft (an int4-stream artifact of the same vocabulary; default: the tier's speculative draft_model).")
 @click.option("--draft-max", "draft_max", type=click.IntRange(min=1, max=16), metavar="N", help="Most tokens the draft proposes per round (default: the tier's, else 4).")

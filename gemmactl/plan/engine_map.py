@@ -140,7 +140,7 @@ def _costs(index: dict, spec, context: int, kv_mode: str | None = None, spare_sl
     """Per-layer costs, the GPU-side globals and the tables, from the artifact's index. spare_slots:
     ring slots past a sliding layer's window (speculation's drafted tokens, runtime/engine/model.py)."""
     from gemmactl.runtime.engine.kernels import linear_bytes
-    from gemmactl.runtime.engine.kv_modes import pair_bytes
+    from gemmactl.runtime.engine.kv_modes import layer_mode, pair_bytes
 
     layers = {layer.index: [0, 0] for layer in spec.layers}
     globals_ = {"head": 0, "projection": 0, "norms": 0}
@@ -177,7 +177,7 @@ def _costs(index: dict, spec, context: int, kv_mode: str | None = None, spare_sl
         kv = 0
         if layer.owns_kv:
             slots = _slots(spec, layer, context, spare_slots)  # K and V per slot and head, and its position
-            kv = slots * layer.kv_heads * pair_bytes(kv_mode or "bf16", layer.head_dim) + slots * 8
+            kv = slots * layer.kv_heads * pair_bytes(layer_mode(kv_mode, layer.kind), layer.head_dim) + slots * 8
         device_bytes, dense_bytes = layers[layer.index]
         costs.append(LayerCost(layer.index, device_bytes, dense_bytes, kv, layer.index in readers, not layer.owns_kv))
     tables["experts"] = experts
@@ -213,10 +213,11 @@ def _read_bytes(spec, context: int, kv_mode: str | None, spare_slots: int) -> in
     """The largest attention read of a quantized cache by a prefill chunk: one block of slots
     decoded, its scores and the running softmax (runtime/engine/kv_modes.read_bytes; none for
     bf16). Before reads went by blocks, an E4B shape with tq4 at 32K under 4 GiB went 0.34 GiB over."""
-    from gemmactl.runtime.engine.kv_modes import read_bytes
+    from gemmactl.runtime.engine.kv_modes import layer_mode, read_bytes
 
-    return max((read_bytes(kv_mode, _slots(spec, reader, context, spare_slots), reader.heads, reader.kv_heads,
-                           reader.head_dim, CHUNK_TOKENS)
+    owners = {layer.index: layer for layer in spec.layers}
+    return max((read_bytes(layer_mode(kv_mode, owners[reader.kv_from].kind), _slots(spec, reader, context, spare_slots),
+                           reader.heads, reader.kv_heads, reader.head_dim, CHUNK_TOKENS)
                 for reader in spec.layers), default=0)
 
 
@@ -358,7 +359,7 @@ def _kv_reads(spec, kinds, profile, context: int, kv_mode: str | None, spare_slo
     (a sliding ring's, or the context): each layer reads the cache it attends to (its own or the
     one it shares), at the bandwidth of the device that cache lives on, the host's for a layer on
     the CPU (kinds: the map's layers; "host" everywhere for an engine on the CPU alone)."""
-    from gemmactl.runtime.engine.kv_modes import pair_bytes
+    from gemmactl.runtime.engine.kv_modes import layer_mode, pair_bytes
 
     by_cap: dict[int, float] = {}
     owners = {layer.index: layer for layer in spec.layers}
@@ -366,7 +367,7 @@ def _kv_reads(spec, kinds, profile, context: int, kv_mode: str | None, spare_slo
         owner = owners[layer.kv_from]
         bandwidth = profile.cpu_bandwidth if kinds[owner.index] == "host" else profile.gpu_bandwidth
         cap = _slots(spec, owner, context, spare_slots)
-        per_slot = owner.kv_heads * pair_bytes(kv_mode or "bf16", owner.head_dim)
+        per_slot = owner.kv_heads * pair_bytes(layer_mode(kv_mode, owner.kind), owner.head_dim)
         by_cap[cap] = by_cap.get(cap, 0.0) + per_slot / bandwidth
     return tuple(sorted(by_cap.items()))
 

@@ -8,8 +8,15 @@
   quantizer for a Gaussian, scaled by the vector's RMS (fp16). 4 or 3 bits a coordinate on
   average, keys taking one more and values one less (TURBO_BITS), plus 16 bits a vector.
 
+A mode may name the sliding layers' windows apart, GLOBAL/WINDOWS: `tq4/bf16` quantizes the
+global layers' caches, which grow with the context, and keeps the windows (a fixed few hundred
+slots each) in bfloat16. A window in tq4 saves little memory (about 16 MB for all of an E4B shape's
+at any context) and costs a decode step its write, its rotation and a read kernel per layer:
+measured in docs/benchmarks.md. A plain mode is every layer's.
+
 The llama.cpp tiers take their own cache types from the same recipe field (f16, q8_0, q4_0:
-llama.cpp's -ctk/-ctv, with flash attention for a quantized V).
+llama.cpp's -ctk/-ctv, with flash attention for a quantized V); llama.cpp has one type for all
+layers.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 ENGINE_MODES = ("bf16", "int8", "tq4", "tq3")
 LLAMACPP_MODES = ("f16", "q8_0", "q4_0")
 DEFAULT_MODE = "bf16"
+WINDOWS_SEP = "/"  # GLOBAL/WINDOWS: the sliding layers' own mode
+SLIDING_KIND = "sliding_attention"  # runtime/engine/spec.SLIDING (no torch here)
 # Bits a coordinate of a key and of a value. Keys carry the error that matters: on the real Gemma 3
 # 270M at 8K tokens, 4 bits for both with exact keys moved perplexity +0.7%, with exact values
 # +17.3%; keys 5 and values 3 (the same bytes) about +9.5%, keys 6 and values 2 +28%.
@@ -84,15 +93,43 @@ def compression(mode: str, head_dim: int) -> float:
     return head_dim * 4 / pair_bytes(mode, head_dim)
 
 
+def layer_mode(mode: str | None, kind: str) -> str:
+    """The mode of one layer's cache: a GLOBAL/WINDOWS mode's WINDOWS for a sliding layer (kind:
+    runtime/engine/spec's SLIDING or FULL), its GLOBAL otherwise; a plain mode everywhere."""
+    mode = mode or DEFAULT_MODE
+    if WINDOWS_SEP not in mode:
+        return mode
+    first, windows = mode.split(WINDOWS_SEP, 1)
+    return windows if kind == SLIDING_KIND else first
+
+
+def mode_problem(mode: str, backend: str) -> str | None:
+    """Why mode is not a KV cache mode of backend ("int4" engine or "llamacpp"), or None."""
+    if backend != "int4":
+        if WINDOWS_SEP in mode:
+            return f"llama.cpp takes one KV cache type for every layer, not {mode!r}"
+        return None if mode in LLAMACPP_MODES else f"{mode!r} is not a KV cache mode of llama.cpp"
+    parts = mode.split(WINDOWS_SEP)
+    if len(parts) > 2 or not all(part in ENGINE_MODES for part in parts):
+        return f"{mode!r} is not a KV cache mode of the int4 engine"
+    return None
+
+
+def modes_hint(backend: str) -> str:
+    """The modes a backend takes, as a hint's sentence."""
+    if backend != "int4":
+        return f"Use one of: {', '.join(LLAMACPP_MODES)}."
+    return (f"Use one of: {', '.join(ENGINE_MODES)}, or GLOBAL{WINDOWS_SEP}WINDOWS for the sliding layers' "
+            f"own (e.g. tq4{WINDOWS_SEP}bf16).")
+
+
 def check_mode(mode: str | None, backend: str, *, option: str = "--kv-cache") -> str | None:
     """The mode for a backend ("int4" engine or "llamacpp"), or a one-line error listing the modes."""
     from gemmactl.errors import InvalidOptionError
 
     if mode is None:
         return None
-    known = ENGINE_MODES if backend == "int4" else LLAMACPP_MODES
-    if mode not in known:
-        where = "the int4 engine" if backend == "int4" else "llama.cpp"
-        raise InvalidOptionError(f"{option} {mode!r} is not a KV cache mode of {where}",
-                                 hint=f"Use one of: {', '.join(known)}.")
+    problem = mode_problem(mode, backend)
+    if problem:
+        raise InvalidOptionError(f"{option}: {problem}", hint=modes_hint(backend))
     return mode

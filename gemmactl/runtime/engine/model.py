@@ -24,6 +24,7 @@ from gemmactl.formats.int4.spec import HEAD_NAME
 from gemmactl.runtime.engine import kv_attention
 from gemmactl.runtime.engine.kernels import Linear, RepackCache, join_linears, joining, make_linear
 from gemmactl.runtime.engine.kv import KVCache, make_cache
+from gemmactl.runtime.engine.kv_modes import layer_mode
 from gemmactl.runtime.engine.ops import key_scores, rms_norm, weighted_values
 from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement, caches_on_host
 from gemmactl.runtime.engine.streaming import LayerStreamer, StagedLayer
@@ -150,7 +151,8 @@ class GemmaModel:
         tokens: about a second on 2 cores, against ~1 ms over an H200's link).
         spare_slots: ring slots beyond the window (speculation writes up to that many positions
         ahead and rolls back: their keys must not overwrite ones the window still needs).
-        kv_mode: the KV caches' mode (runtime/engine/kv_modes.py; default bf16).
+        kv_mode: the KV caches' mode (runtime/engine/kv_modes.py; default bf16), or GLOBAL/WINDOWS
+            for the sliding layers' own.
         yarn: a YaRN factor for the global-attention layers' rope (None: the model's own rope)."""
         self.artifact = artifact
         self.device, self.dtype, self.context = torch.device(device), dtype, context
@@ -213,8 +215,8 @@ class GemmaModel:
                 ring = layer.kind == SLIDING and 0 < spec.window and spec.window + spare_slots < context
                 slots = spec.window + spare_slots if ring else context
                 home = self.host if layer.index in on_host else self.device
-                self.caches[layer.index] = make_cache(kv_mode, slots, layer.kv_heads, layer.head_dim, ring, dtype, home,
-                                                      seed=layer.index)
+                self.caches[layer.index] = make_cache(layer_mode(kv_mode, layer.kind), slots, layer.kv_heads,
+                                                      layer.head_dim, ring, dtype, home, seed=layer.index)
         self.kv_mode = kv_mode or "bf16"
         frequencies = rope_frequencies(artifact.config, yarn=yarn)
         self.devices = [self.device] + ([self.host] if HOST in self.where and self.host != self.device else [])
