@@ -99,9 +99,11 @@ def engine_modes(args, text: str) -> dict:
         rows, n = {}, counts[scope]
         for mode in modes:
             s = sums[scope][mode]
-            rows[mode] = {"perplexity": math.exp(s["nll"] / n),
-                          "compression": round(min(compression(mode, d) for d in head_dims), 2),
-                          "kv_bytes": sum(c.nbytes() for c in models[mode].caches.values())}
+            kv_bytes = sum(c.nbytes() for c in models[mode].caches.values())
+            # a GLOBAL/WINDOWS mode's: the caches' bytes at this window against bf16's, windows included
+            shrink = min(compression(mode, d) for d in head_dims) if "/" not in mode else \
+                sum(c.nbytes() for c in models["bf16"].caches.values()) / kv_bytes
+            rows[mode] = {"perplexity": math.exp(s["nll"] / n), "compression": round(shrink, 2), "kv_bytes": kv_bytes}
             if mode != "bf16":
                 rows[mode].update(kld_mean=s["kld"] / n, top1_agreement=s["top1"] / n)
         base = rows["bf16"]["perplexity"]
