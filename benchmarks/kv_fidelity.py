@@ -42,7 +42,7 @@ def engine_modes(args, text: str) -> dict:
     import torch
 
     from gemmactl.formats.int4.reader import open_artifact
-    from gemmactl.runtime.engine.kv_modes import compression
+    from gemmactl.runtime.engine.kv_modes import WINDOWS_SEP, compression
     from gemmactl.runtime.engine.model import GemmaModel
     from transformers import AutoTokenizer
 
@@ -101,7 +101,7 @@ def engine_modes(args, text: str) -> dict:
             s = sums[scope][mode]
             kv_bytes = sum(c.nbytes() for c in models[mode].caches.values())
             # a GLOBAL/WINDOWS mode's: the caches' bytes at this window against bf16's, windows included
-            shrink = min(compression(mode, d) for d in head_dims) if "/" not in mode else \
+            shrink = min(compression(mode, d) for d in head_dims) if WINDOWS_SEP not in mode else \
                 sum(c.nbytes() for c in models["bf16"].caches.values()) / kv_bytes
             rows[mode] = {"perplexity": math.exp(s["nll"] / n), "compression": round(shrink, 2), "kv_bytes": kv_bytes}
             if mode != "bf16":

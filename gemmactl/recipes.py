@@ -332,10 +332,11 @@ class _Reader:
             known = ", ".join(ENGINE_MODES if backend == "int4" else LLAMACPP_MODES)
             if backend == "int4":
                 known += " (or GLOBAL/WINDOWS, e.g. tq4/bf16)"
-            if not isinstance(_scalar(entry.value), str) or mode_problem(_scalar(entry.value), backend):
+            mode = _scalar(entry.value)
+            if not isinstance(mode, str) or mode_problem(mode, backend):
                 raise self.error(entry.value, f"{entry.path} must be one of {known} with backend "
                                               f"{backend}, got {_shown(entry.value)}")
-            changes["kv_cache"] = _scalar(entry.value)
+            changes["kv_cache"] = mode
         if "yarn" in values:
             if changes.get("backend", "llamacpp") != "int4":
                 raise self.error(values["yarn"].value, f"{values['yarn'].path} needs backend: int4 (the engine applies YaRN)")
