@@ -31,7 +31,7 @@ READY_TIMEOUT_S = 900  # loading big models and starting every tier can take min
               help="Open client connections at most; past it, 503 at once (a request must arrive within 30 s).")
 @click.option("--no-speculative", is_flag=True, help="Turn off every tier's speculative decoding.")
 @click.option("--threads", type=click.IntRange(min=1), metavar="N", help="CPU threads per backend (default: every core).")
-@click.option("--detach", is_flag=True, help="Start the server in the background, wait until it is ready, print its URL and return.")
+@click.option("--detach", is_flag=True, help="Start the server in the background, wait until it is ready, print its URL and pid and return.")
 @click.option("--rpc", "rpc", multiple=True, metavar="HOST:PORT[=SIZE]", help="RPC workers (`gemmactl worker`) for the default tier's llama-server (a worker serves one); repeatable or comma-separated.")
 @click.option("--json", "json_mode", is_flag=True, help="Print the server's state as one JSON line once it is ready.")
 def serve(recipe, host, port, api_key, peers, queue, max_connections, no_speculative, threads, detach, rpc, json_mode):
