@@ -182,6 +182,37 @@ def test_the_sliding_windows_take_their_own_mode(artifacts, monkeypatch):
     assert not torch.equal(logits["tq4/bf16"], logits["tq4"])
 
 
+def test_the_fused_read_takes_a_few_rows_only_while_their_scores_fit_a_block(artifacts, monkeypatch):
+    """The fused read holds every slot's score of its rows: one row always (a decode step), more
+    only while they fit a read block's room; past it a prompt's last few tokens read by blocks,
+    and the plan keeps a block's room free, not sixteen rows of every slot's scores."""
+    from gemmactl.runtime.engine import kv_attention, kv_modes
+    from gemmactl.runtime.engine.kv_modes import (FUSED_ROWS_MAX, FUSED_SCORE_BYTES, READ_BLOCK_BYTES, fused_rows,
+                                                  read_bytes)
+    from gemmactl.runtime.engine.model import GemmaModel
+
+    heads, long = 8, 131072  # an E4B-shaped global layer at its model's longest context
+    assert fused_rows(1, heads, 1 << 24) == 1
+    assert fused_rows(5, heads, 4096) == 5 and fused_rows(64, heads, 4096) == FUSED_ROWS_MAX
+    rows = fused_rows(FUSED_ROWS_MAX, heads, long)
+    assert 1 < rows < FUSED_ROWS_MAX and rows * heads * long * FUSED_SCORE_BYTES <= READ_BLOCK_BYTES
+    assert read_bytes("tq4", long, heads, 2, 512, 256) < FUSED_ROWS_MAX * heads * long * FUSED_SCORE_BYTES
+    assert read_bytes("tq4", long, heads, 2, 512, 1) >= heads * long * FUSED_SCORE_BYTES  # a decode step's
+
+    engine = GemmaModel(artifacts("gemma3-tiny"), device="cpu", dtype=torch.float32, context=64, kv_mode="tq4")
+    layer = next(layer for layer in engine.layers if layer.spec.owns_kv)
+    cache = engine.caches[layer.spec.index]
+    monkeypatch.setattr(kv_attention, "usable", lambda *args: True)  # as on CUDA
+
+    def fused(t: int, held: int = 64) -> bool:
+        return engine._reads_fused(layer, cache, torch.zeros(t, layer.spec.heads, layer.spec.head_dim), held)
+
+    assert fused(1) and fused(6)
+    monkeypatch.setattr(kv_modes, "READ_BLOCK_BYTES", FUSED_SCORE_BYTES * layer.spec.heads * 64 * 3)
+    assert fused(1) and fused(3) and not fused(6)  # six rows' scores outgrow the room: by blocks
+    assert fused(6, held=32)  # fewer slots written: they fit
+
+
 @pytest.mark.parametrize("kind", ["gemma3-tiny", "shared-kv"])
 @pytest.mark.parametrize("mode", ["int8", "tq4"])
 @pytest.mark.parametrize("bounded", [True, False])

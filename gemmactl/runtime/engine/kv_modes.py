@@ -47,11 +47,22 @@ LLAMACPP_VALUE_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 READ_TEMP_BYTES = 24  # 16 counted as above, and keys at 5 bits unpack through int64 words of 8 codes
 READ_BLOCK_BYTES = 32 << 20
 FUSED_ROWS_MAX = 16  # query rows the fused read takes at once (kv_attention.ROWS_MAX)
+FUSED_SCORE_BYTES = 8  # the fused read's float32 score and softmax weight, a slot, row and query head
 
 
 def read_block_slots(kv_heads: int, head_dim: int) -> int:
     """Slots a quantized cache decodes at once."""
     return max(1, READ_BLOCK_BYTES // max(kv_heads * head_dim * READ_TEMP_BYTES, 1))
+
+
+def fused_rows(rows: int, heads: int, slots: int) -> int:
+    """Query rows the fused read takes over slots at once: up to FUSED_ROWS_MAX while their scores
+    and weights (every slot's, FUSED_SCORE_BYTES each) stay within a read block's room, one row
+    always (a decode step). More rows than this read by blocks (runtime/engine/model.py). Without
+    the bound a prompt's last few tokens at 128K held 134 MB of scores for an E4B-shaped global
+    layer (16 rows), a room the plan kept free at every context: about 25,000 tq4 tokens at 4 GiB."""
+    fit = READ_BLOCK_BYTES // max(FUSED_SCORE_BYTES * heads * slots, 1)
+    return max(1, min(rows, FUSED_ROWS_MAX, fit))
 
 
 def read_bytes(mode: str | None, slots: int, heads: int, kv_heads: int, head_dim: int, rows: int,
@@ -66,9 +77,9 @@ def read_bytes(mode: str | None, slots: int, heads: int, kv_heads: int, head_dim
     by_blocks = (block * kv_heads * head_dim * (2 * dtype_bytes + READ_TEMP_BYTES) + rows * heads * block * 8
                  + rows * heads * (head_dim + 2) * 4 * 2)
     # The fused read of a decode or verify step (kv_attention.py) holds every slot's float32 score
-    # of its few rows and their softmax: 8 MiB at one row for an E4B-shaped global layer at 128K,
-    # 128 at sixteen.
-    fused = 2 * min(rows, FUSED_ROWS_MAX) * heads * slots * 4
+    # of its few rows and their softmax: 8 MiB at one row for an E4B-shaped global layer at 128K;
+    # more rows only while they fit a block's room (fused_rows).
+    fused = FUSED_SCORE_BYTES * fused_rows(rows, heads, slots) * heads * slots
     return max(by_blocks, fused)
 
 

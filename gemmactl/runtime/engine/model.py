@@ -24,7 +24,7 @@ from gemmactl.formats.int4.spec import HEAD_NAME
 from gemmactl.runtime.engine import kv_attention
 from gemmactl.runtime.engine.kernels import Linear, RepackCache, join_linears, joining, make_linear
 from gemmactl.runtime.engine.kv import KVCache, make_cache
-from gemmactl.runtime.engine.kv_modes import layer_mode
+from gemmactl.runtime.engine.kv_modes import fused_rows, layer_mode
 from gemmactl.runtime.engine.ops import key_scores, rms_norm, weighted_values
 from gemmactl.runtime.engine.placement import HOST, RESIDENT, STREAMED, EnginePlacement, caches_on_host
 from gemmactl.runtime.engine.streaming import LayerStreamer, StagedLayer
@@ -513,9 +513,12 @@ class GemmaModel:
         return self._read_and_attend(layer, q, cache, held, positions, turned)
 
     def _reads_fused(self, layer: Layer, cache, q, held: int) -> bool:
-        """Whether query rows q read held slots of cache through the fused read (kv_attention.py)."""
+        """Whether query rows q read held slots of cache through the fused read (kv_attention.py):
+        as many rows as its scores' room takes (kv_modes.fused_rows), else by blocks."""
+        rows = q.shape[0]
         return cache.mode != "bf16" and cache.device == q.device and not self.spec.attn_softcap \
-            and kv_attention.usable(q.device, q.shape[0], layer.spec.head_dim, held)
+            and fused_rows(rows, layer.spec.heads, held) == rows \
+            and kv_attention.usable(q.device, rows, layer.spec.head_dim, held)
 
     def _read_and_attend(self, layer: Layer, q, cache, held: int, positions, turned=None) -> torch.Tensor:
         """The attention of query rows q [T, N, D] over the first held slots of cache, projected
