@@ -59,8 +59,9 @@ def fused_rows(rows: int, heads: int, slots: int) -> int:
     """Query rows the fused read takes over slots at once: up to FUSED_ROWS_MAX while their scores
     and weights (every slot's, FUSED_SCORE_BYTES each) stay within a read block's room, one row
     always (a decode step). More rows than this read by blocks (runtime/engine/model.py). Without
-    the bound a prompt's last few tokens at 128K held 134 MB of scores for an E4B-shaped global
-    layer (16 rows), a room the plan kept free at every context: about 25,000 tq4 tokens at 4 GiB."""
+    the bound a prompt's last few tokens at 128K held 128 MiB of scores for an E4B-shaped global
+    layer (16 rows), where the read by blocks holds about 67 MiB: the plan kept the larger room,
+    about 15,000 tq4 tokens of that shape's cache."""
     fit = READ_BLOCK_BYTES // max(FUSED_SCORE_BYTES * heads * slots, 1)
     return max(1, min(rows, FUSED_ROWS_MAX, fit))
 
