@@ -96,8 +96,8 @@ def cli(debug: bool) -> None:
     """Prepare and run Gemma models locally.
 
     Prompts go to a tier: `quick:`/`fast:` to the small fast model, `deep:` to the larger one,
-    `reason:`/`think:` to a reason tier (else the larger one) with thinking on. With no recipe, the embedded Gemma 3
-    270M model serves every tier, offline.
+    `reason:`/`think:` to a reason tier (else the larger one) with thinking on. With no recipe,
+    the embedded Gemma 3 270M model serves every tier, offline.
     """
 
 

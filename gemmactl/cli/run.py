@@ -49,9 +49,9 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
     """Answer a prompt with a local model, routed to a tier.
 
     The answer streams to stdout as it is generated. The PROMPT comes from the arguments, or
-    from stdin when there are none. A prefix picks the
-    tier: `quick:`/`fast:` → fast, `deep:` → deep, `reason:`/`think:` → reason (else deep) with thinking on;
-    without one a small heuristic decides (see docs/tiers.md).
+    from stdin when there are none. A prefix picks the tier: `quick:`/`fast:` → fast, `deep:` →
+    deep, `reason:`/`think:` → reason (else deep) with thinking on; without one a small heuristic
+    decides (see docs/tiers.md).
 
     \b
     Examples:

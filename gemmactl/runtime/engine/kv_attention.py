@@ -48,7 +48,9 @@ from gemmactl.runtime.engine.gemv_common import tile_setting
 from gemmactl.runtime.engine.kv_modes import FUSED_ROWS_MAX, code_planes
 
 ENV = "GEMMACTL_KV_KERNEL"  # auto (on for CUDA with Triton) | off (the torch read) | on (also Triton's CPU interpreter)
-ROWS_MAX = FUSED_ROWS_MAX  # query rows (tokens) a call takes (fewer at long context: kv_modes.fused_rows); longer prefill chunks read by blocks
+# Query rows (tokens) a call takes, fewer at long context (kv_modes.fused_rows); longer prefill
+# chunks read by blocks.
+ROWS_MAX = FUSED_ROWS_MAX
 # Tiles (slots x coordinates) of the two kernels: the key scores' programs take a block of slots and
 # every coordinate a chunk at a time; the values' programs a share of the slots and one chunk of
 # coordinates. tl.dot needs 16 at least each way. Chosen by what compiles for sm_90 without spilling
