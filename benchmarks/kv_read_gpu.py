@@ -3,7 +3,7 @@ against torch's attention over the same slots in bfloat16.
 
     python benchmarks/kv_read_gpu.py [--slots 4096 32768 131072] [--rows 1 5] [--modes int8 tq4 tq3]
                                      [--heads 2 --groups 4 --dim 512] [--graph] [--out FILE]
-                                     [--tiles 32,128,64,128,4 64,128,128,128,8 ...]
+                                     [--tiles 32,128,32,128,4 64,128,16,128,8 ...]
 
 The shape defaults to an E4B-shaped global layer (2 KV heads, 4 query heads each, 512 wide).
 Each cache is filled with random keys and values at every slot; each read is timed with CUDA

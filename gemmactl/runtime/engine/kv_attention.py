@@ -7,16 +7,18 @@ shrinks (0.67x on an E4B shape, docs/benchmarks.md). Here the codes are read in 
 kernels (kv_attention_kernel.py):
 
 - key_scores: a program to a query row, a KV head and a block of slots takes the keys' 32-bit
-  words a chunk of coordinates at a time, takes the codes from them by shifts (kv.py stores codes
-  in planes of whole fields, so none straddles a word), computes their levels (an odd polynomial
-  of the code, kv.py's polynomial_levels: a few float operations where a table's lookup took an
-  address and a load each) and multiplies them with the query's chunk; the scores are scaled by
-  each key's scale and masked;
+  words a run at a time and the codes from them field by field (kv.py stores codes in planes of
+  whole fields, so none straddles a word: field f of a word is one shift and a mask for all its
+  words), computes their levels (an odd polynomial of the code, kv.py's polynomial_levels: a few
+  float operations where a table's lookup took an address and a load each) and multiplies each
+  field's with the query's coordinates at that field's places; the scores are scaled by each
+  key's scale and masked;
 - the softmax over those few rows' scores, in torch (16 bytes a slot for Gemma 4's four query
   heads a KV head, against 516 of a tq4 key and value at 512 coordinates);
-- weighted_values: a program to a query row, a KV head, a share of the slots and a chunk of
-  coordinates reads only that chunk's words and adds up the values (each scaled) weighted; the
-  shares are summed after. Both kernels multiply in float16 on tensor cores (see _kernel).
+- weighted_values: a program to a query row, a KV head, a share of the slots and a run of words
+  reads only that run and adds up the values (each scaled) weighted, every field of the run in
+  one batched product; the shares are summed after. Both kernels multiply in float16 on tensor
+  cores (see _kernel).
 
 Nothing the size of the cache is made but the scores. Only the two kernels' launches are opaque
 torch custom ops: in the fused step torch.compile joins the softmax and the sum of the shares to
@@ -26,6 +28,10 @@ kernel with a running softmax over codes that straddle bytes (about 60 instructi
 registers spilled); then the planes, with the values' programs taking four interleaved fields
 each and reading every word of a block (4x the values' words). Compiled for sm_90 these kernels
 took about 14-19 instructions a coordinate with the level table's lookup, most of them the lookup.
+Then the codes were put in coordinate order ([BLOCK, words, F] reshaped), which moved each code
+through shared memory and held 156 (keys) and 204 (values) registers a thread; taken field by
+field they hold 64 and 137 (Triton's sm_90 build at the default tiles), and on an H100 the values'
+kernel took 31% less time in a 32K step (docs/benchmarks.md).
 
 Every mode is one layout to the kernels: codes of `bits` bits in planes (kv_modes.code_planes),
 the four coefficients their levels are computed from, and an fp16 scale per vector. int8 is one
@@ -52,11 +58,12 @@ ENV = "GEMMACTL_KV_KERNEL"  # auto (on for CUDA with Triton) | off (the torch re
 # chunks read by blocks.
 ROWS_MAX = FUSED_ROWS_MAX
 # Tiles (slots x coordinates) of the two kernels: the key scores' programs take a block of slots and
-# every coordinate a chunk at a time; the values' programs a share of the slots and one chunk of
-# coordinates. tl.dot needs 16 at least each way. Chosen by what compiles for sm_90 without spilling
-# at 4 warps.
+# every coordinate a run of words at a time; the values' programs a share of the slots a block at a
+# time and one run of words. A run is CHUNK coordinates' words, 16 at least (tl.dot needs 16 each
+# way). The values' blocks are 32 slots: a 2-bit plane's 16 fields make a block's codes
+# [16, BLOCK, 16], which spill at 64. Chosen by an H100's sweep (docs/benchmarks.md).
 SCORE_BLOCK, SCORE_CHUNK = 32, 128
-VALUE_BLOCK, VALUE_CHUNK = 64, 128
+VALUE_BLOCK, VALUE_CHUNK = 32, 128
 PROGRAMS_PER_SM = 4  # the values' programs: enough to keep each multiprocessor's loads in flight
 WARPS = 4
 TILE_ENV = "GEMMACTL_KV_READ_TILE"  # forces the read's tiles (benchmarks/kv_read_gpu.py --tiles sweeps them)
@@ -64,9 +71,9 @@ TILE_ENV = "GEMMACTL_KV_READ_TILE"  # forces the read's tiles (benchmarks/kv_rea
 
 class ReadTile(NamedTuple):
     score_block: int  # slots a key-score program takes
-    score_chunk: int  # coordinates it takes at a time
+    score_chunk: int  # coordinates it takes at a time (their words: 16 at least)
     value_block: int  # slots a value program takes at a time
-    value_chunk: int  # coordinates a value program holds
+    value_chunk: int  # coordinates a value program's run of words holds (16 words at least)
     warps: int
     programs_per_sm: int = PROGRAMS_PER_SM  # value programs a multiprocessor gets (shares_for)
 
@@ -78,7 +85,7 @@ _TILE_FIELDS = "SCORE_BLOCK,SCORE_CHUNK,VALUE_BLOCK,VALUE_CHUNK,WARPS[,PROGRAMS_
 @functools.cache
 def read_tile() -> ReadTile:
     """The read's tiles: TILE_ENV's where set (read once a process), else DEFAULT_READ_TILE."""
-    forced = tile_setting(TILE_ENV, ReadTile, _TILE_FIELDS, "32,128,64,128,4")
+    forced = tile_setting(TILE_ENV, ReadTile, _TILE_FIELDS, "32,128,32,128,4")
     if forced is None:
         return DEFAULT_READ_TILE
     sizes = (forced.score_block, forced.score_chunk, forced.value_block, forced.value_chunk, forced.warps)
@@ -93,8 +100,8 @@ MIN_SLOTS_ENV = "GEMMACTL_KV_KERNEL_MIN_SLOTS"  # caches shorter than this are r
 
 
 def shape_fits(head_dim: int) -> bool:
-    """Whether the kernels take vectors of head_dim coordinates: a power of two, 32 at least (a
-    chunk of coordinates is min(128, head_dim) and starts on a whole second-plane word)."""
+    """Whether the kernels take vectors of head_dim coordinates: a power of two, 32 at least (each
+    plane whole words, and a run of words starting on a whole second-plane word)."""
     return head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
@@ -147,6 +154,14 @@ def shares_for(slots: int, programs: int, device: torch.device) -> tuple[int, in
     return -(-slots // per), per
 
 
+def value_runs(dim: int, w0: int, chunk: int) -> int:
+    """Programs the values' read takes a vector of dim coordinates in: runs of main-plane words
+    (w0 bits a field), chunk coordinates' words each, 16 words at least (the kernels' CW)."""
+    fields = 32 // w0
+    words = max(16, chunk // fields)
+    return -(-(dim // fields) // words)
+
+
 def _group_block(groups: int) -> int:
     """Query heads a program holds: the groups padded to a power of two, 16 at least (tl.dot)."""
     return max(16, 1 << (groups - 1).bit_length())
@@ -189,9 +204,10 @@ def quantized_weighted_values(weights: torch.Tensor, v_codes: torch.Tensor, v_sc
     v0, v1 = code_planes(v_bits)
     tile = read_tile()
     chunk = min(tile.value_chunk, dim)
-    shares, per = shares_for(slots, rows * (dim // chunk), weights.device)
+    runs = value_runs(dim, v0, chunk)
+    shares, per = shares_for(slots, rows * runs, weights.device)
     parts = torch.empty((rows, shares, groups, dim), dtype=torch.float32, device=weights.device)
-    kernels.weighted_values[(rows, shares, dim // chunk)](
+    kernels.weighted_values[(rows, shares, runs)](
         weights.contiguous(), v_codes.view(torch.int32), v_scales, v_levels, parts, slots, kv_heads, groups,
         v_codes.shape[-1] // 4, per, shares, D=dim, W0=v0, W1=v1, GROUPS=_group_block(groups),
         BLOCK=tile.value_block, CHUNK=chunk, DOT=dot, num_warps=tile.warps)
@@ -202,7 +218,8 @@ def quantized_weighted_values(weights: torch.Tensor, v_codes: torch.Tensor, v_sc
 def _(weights, v_codes, v_scales, v_levels, kv_heads, v_bits):
     rows, groups, slots = weights.shape
     dim = v_codes.shape[-1] * 8 // v_bits
-    shares, _ = shares_for(slots, rows * (dim // min(read_tile().value_chunk, dim)), weights.device)
+    runs = value_runs(dim, code_planes(v_bits)[0], min(read_tile().value_chunk, dim))
+    shares, _ = shares_for(slots, rows * runs, weights.device)
     return weights.new_empty((rows, shares, groups, dim), dtype=torch.float32)
 
 
