@@ -82,8 +82,8 @@ def test_reading_turned_vectors_gives_plain_attention():
 
 
 def test_the_fused_read_refuses_head_dims_its_kernels_do_not_take():
-    """A head dim that is not a power of two from 32 would have the kernels read past a vector's
-    chunk or leave part of one unwritten: refused before any launch (the engine asks usable())."""
+    """A head dim that is not a power of two from 32 would give the kernels runs of words that are
+    no power of two (tl.arange's rule): refused before any launch (the engine asks usable())."""
     from gemmactl.runtime.engine import kv_attention
 
     assert kv_attention.shape_fits(64) and kv_attention.shape_fits(512)

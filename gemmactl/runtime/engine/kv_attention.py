@@ -30,8 +30,8 @@ each and reading every word of a block (4x the values' words). Compiled for sm_9
 took about 14-19 instructions a coordinate with the level table's lookup, most of them the lookup.
 Then the codes were put in coordinate order ([BLOCK, words, F] reshaped), which moved each code
 through shared memory and held 156 (keys) and 204 (values) registers a thread; taken field by
-field they hold 64 and 137 (Triton's sm_90 build at the default tiles), and on an H100 the values'
-kernel took 31% less time in a 32K step (docs/benchmarks.md).
+field they hold 64 and 137 (Triton's sm_90 build at the default tiles), and on an H100 a global
+layer's read at 32K took 14% less time (docs/benchmarks.md).
 
 Every mode is one layout to the kernels: codes of `bits` bits in planes (kv_modes.code_planes),
 the four coefficients their levels are computed from, and an fp16 scale per vector. int8 is one
@@ -101,7 +101,8 @@ MIN_SLOTS_ENV = "GEMMACTL_KV_KERNEL_MIN_SLOTS"  # caches shorter than this are r
 
 def shape_fits(head_dim: int) -> bool:
     """Whether the kernels take vectors of head_dim coordinates: a power of two, 32 at least (each
-    plane whole words, and a run of words starting on a whole second-plane word)."""
+    plane whole words, and a run of words a power of two wide, as tl.arange takes: 96 coordinates
+    of int8 would be a run of 24)."""
     return head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
@@ -234,7 +235,7 @@ def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.
     seen when written, at or before the row's position, and within window (0: no window).
     Returns [T, K, g, D] in float32."""
     t, kv_heads, groups, dim = q.shape
-    if not shape_fits(dim):  # the kernels would read past a vector's chunk, or leave part of one unwritten
+    if not shape_fits(dim):  # a run of words is a tl.arange: a power of two wide (shape_fits)
         raise ValueError(f"the fused KV read takes head dims that are powers of two from 32, not {dim}")
     scores = quantized_key_scores(q, k_codes, k_scales, k_levels, key_positions, positions, k_bits, query_scale,
                                   window)
