@@ -108,13 +108,13 @@ def main() -> None:
 
     from gemmactl.runtime.engine import kv_attention
 
-    def tiled(tile: str):
+    def tiled(tile: str, slots: int = 0):
         if tile:
             os.environ[kv_attention.TILE_ENV] = tile
         else:
             os.environ.pop(kv_attention.TILE_ENV, None)
         kv_attention.read_tile.cache_clear()
-        return ",".join(map(str, kv_attention.read_tile()))
+        return ",".join(map(str, kv_attention.tile_for(slots)))
 
     results = []
     for slots in args.slots:
@@ -123,7 +123,7 @@ def main() -> None:
             results.append(base)
             for mode in args.modes:
                 for tile in [""] + args.tiles:
-                    name = tiled(tile)
+                    name = tiled(tile, slots)
                     try:
                         row = measure(mode, slots, rows, args.heads, args.groups, args.dim, args.graph)
                     except Exception as error:  # a tile that does not compile or fit: noted, the sweep goes on

@@ -433,16 +433,19 @@ def check_turned_write(device):
 
 
 _INTERPRETED_READ = """
-import sys, torch
+import itertools, sys, torch
 from gemmactl.formats.int4.reader import open_artifact
 from gemmactl.runtime.engine import kv_attention
 from gemmactl.runtime.engine.kv import make_cache
 from gemmactl.runtime.engine.model import GemmaModel
 
 # the kernel alone against attention over the decoded cache: every mode, unwritten slots, a window,
-# grouped heads, several query rows at different positions, slots no multiple of a block (once)
+# grouped heads, several query rows at different positions, slots no multiple of a block (once); at
+# the short caches' tiles and (every cache taken as long) the long caches'
 torch.manual_seed(0)
-for mode in ("int8", "tq4", "tq3") if sys.argv[2] == "alone" else ():
+short = kv_attention.SHORT_SLOTS
+for mode, kv_attention.SHORT_SLOTS in itertools.product(("int8", "tq4", "tq3"), (short, 0)) \
+        if sys.argv[2] == "alone" else ():
     for slots, heads, groups, dim, rows, window in ((40, 2, 4, 32, 1, 0), (37, 1, 8, 64, 3, 16), (70, 2, 2, 32, 2, 0),
                                                      (45, 2, 4, 256, 2, 0)):  # fields wide enough for tl.dot
         cache = make_cache(mode, slots, heads, dim, False, torch.float32, "cpu")
@@ -461,6 +464,7 @@ for mode in ("int8", "tq4", "tq3") if sys.argv[2] == "alone" else ():
         got = kv_attention.quantized_attention(q, *parts["k"], *parts["v"], cache.pos, positions, parts["k_bits"],
                                                parts["v_bits"], 0.125, window)
         assert (got - want).abs().max() <= 0.02 * want.abs().max(), (mode, slots, rows, window)
+kv_attention.SHORT_SLOTS = short
 
 # the write's kernel (kv_turn.py) against the torch write (check_turned_write, defined above)
 kv_attention.os.environ[kv_attention.ENV] = "on"
@@ -640,7 +644,8 @@ def _compile_for_sm90(kernel, signature: dict, constexprs: dict, warps: int = 4)
 
 def test_kv_kernels_compile_for_the_gpu():
     """The KV kernels of every engine mode (the read's two, the turbo modes' write) compile for the
-    GPU (offline, here on the CPU) at the default tiles and head dims 64, 256 and 512: a kernel the
+    GPU (offline, here on the CPU) at the default tiles (the read's for long and short caches) and
+    head dims 64, 256 and 512: a kernel the
     interpreter runs may still fail to compile (a reassigned constexpr once did), and only a GPU
     run would have told."""
     pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
@@ -649,12 +654,12 @@ def test_kv_kernels_compile_for_the_gpu():
     from gemmactl.runtime.engine import kv_attention, kv_attention_kernel, kv_turn, kv_turn_kernel
     from gemmactl.runtime.engine.kv_modes import TURBO_BITS
 
-    tile, tiles = kv_turn.DEFAULT_TILE, kv_attention.DEFAULT_READ_TILE
+    tile = kv_turn.DEFAULT_TILE
     write = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*fp32", "vc_ptr": "*fp32",
              "sign_ptr": "*fp32", "h_ptr": "*fp16", "ke_ptr": "*fp32", "ve_ptr": "*fp32", "kcode_ptr": "*u8",
              "vcode_ptr": "*u8", "kscale_ptr": "*fp16", "vscale_ptr": "*fp16", "slot_ptr": "*i64",
-             "out_ptr": "*fp32", "rows": "i32", "heads": "i32", "kv_heads": "i32", "slots": "i32",
-             "inv_root": "fp32"}
+             "at_ptr": "*i64", "pos_ptr": "*i64", "out_ptr": "*fp32", "rows": "i32", "heads": "i32",
+             "kv_heads": "i32", "slots": "i32", "inv_root": "fp32"}
     scores = {"q_ptr": "*fp32", "kw_ptr": "*i32", "ks_ptr": "*fp16", "kl_ptr": "*fp32", "kpos_ptr": "*i64",
               "pos_ptr": "*i64", "s_ptr": "*fp32", "S": "i32", "kv_heads": "i32", "groups": "i32",
               "row_words": "i32", "query_scale": "fp32", "window": "i32"}
@@ -665,18 +670,80 @@ def test_kv_kernels_compile_for_the_gpu():
         (k0, k1), (v0, v1) = code_planes(k_bits), code_planes(v_bits)
         for dim in (64, 256, 512):
             read = dict(D=dim, GROUPS=16, DOT=tl.float16)
-            _compile_for_sm90(kv_attention_kernel.key_scores, scores,
-                              dict(read, W0=k0, W1=k1, BLOCK=tiles.score_block, CHUNK=min(tiles.score_chunk, dim)),
-                              tiles.warps)
-            _compile_for_sm90(kv_attention_kernel.weighted_values, values,
-                              dict(read, W0=v0, W1=v1, BLOCK=tiles.value_block, CHUNK=min(tiles.value_chunk, dim)),
-                              tiles.warps)
+            for tiles in (kv_attention.DEFAULT_READ_TILE, kv_attention.SHORT_READ_TILE):
+                _compile_for_sm90(kv_attention_kernel.key_scores, scores,
+                                  dict(read, W0=k0, W1=k1, BLOCK=tiles.score_block,
+                                       CHUNK=min(tiles.score_chunk, dim)), tiles.warps)
+                _compile_for_sm90(kv_attention_kernel.weighted_values, values,
+                                  dict(read, W0=v0, W1=v1, BLOCK=tiles.value_block,
+                                       CHUNK=min(tiles.value_chunk, dim)), tiles.warps)
             if mode == "int8":  # no rotation: the turn kernels are the turbo modes'
                 continue
             shape = dict(D=dim, ROWS=kv_turn.ROWS, CHUNK=min(tile.chunk, dim), PART=min(tile.part, dim))
             _compile_for_sm90(kv_turn_kernel.turned_write, write,
                               dict(shape, KW0=k0, KW1=k1, VW0=v0, VW1=v1, K_EDGES=(1 << k_bits) - 1,
-                                   V_EDGES=(1 << v_bits) - 1), tile.warps)
+                                   V_EDGES=(1 << v_bits) - 1, STAGES=tile.stages), tile.warps)
+
+
+def test_the_read_names_its_tiles_in_the_traced_graph(monkeypatch):
+    """The read's tiles and the values' shares are arguments of its ops, so a traced step carries
+    them as constants: a step compiled (and cached on disk) at other tiles, whose shares are another
+    number and whose output another shape, is another graph, not taken for this one."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from gemmactl.runtime.engine import kv_attention
+    from gemmactl.runtime.engine.kv import make_cache
+
+    cache = make_cache("tq4", 512, 2, 64, False, torch.float32, "cpu")
+    cache.begin(torch.randn(512, 2, 64), torch.randn(512, 2, 64))
+    parts = cache.fused_parts(512)
+
+    def read(q, k_codes, k_scales, k_levels, v_codes, v_scales, v_levels, key_positions, positions):
+        return kv_attention.quantized_attention(q, k_codes, k_scales, k_levels, v_codes, v_scales, v_levels,
+                                                key_positions, positions, parts["k_bits"], parts["v_bits"], 0.125, 0)
+
+    def traced(tile):
+        if tile:
+            monkeypatch.setenv(kv_attention.TILE_ENV, tile)
+        else:
+            monkeypatch.delenv(kv_attention.TILE_ENV, raising=False)
+        kv_attention.read_tile.cache_clear()
+        try:
+            return make_fx(read, tracing_mode="fake")(torch.randn(1, 2, 4, 64), *parts["k"], *parts["v"], cache.pos,
+                                                     torch.tensor([511])).code
+        finally:
+            kv_attention.read_tile.cache_clear()
+
+    short, forced = traced(""), traced("32,128,32,128,4")
+    assert str(list(kv_attention.SHORT_READ_TILE)) in short and "[32, 128, 32, 128, 4, 4]" in forced
+    assert short != forced
+
+
+def _forced_tile(monkeypatch, env: str, tile, value: str):
+    """What the cached tile function `tile` gives with env set to value (cached anew before and after)."""
+    monkeypatch.setenv(env, value)
+    tile.cache_clear()
+    try:
+        return tile()
+    finally:
+        tile.cache_clear()
+
+
+def test_the_write_tile_is_forced_or_refused(monkeypatch):
+    """GEMMACTL_KV_TURN_TILE forces the write kernel's tile, its parts in flight optional; a value it
+    cannot take is refused with what it takes."""
+    from gemmactl.runtime.engine import kv_turn
+
+    def forced(value):
+        return _forced_tile(monkeypatch, kv_turn.TILE_ENV, kv_turn.tile, value)
+
+    assert forced("") == kv_turn.DEFAULT_TILE
+    assert forced("32,128,8") == kv_turn.Tile(32, 128, 8, kv_turn.DEFAULT_TILE.stages)
+    assert forced("16,32,4,1").stages == 1
+    for bad in ("8,64,4", "32,64,4,0", "32,48,4", "a,b"):
+        with pytest.raises(ValueError, match="KV_TURN_TILE"):
+            forced(bad)
 
 
 def test_the_read_tile_is_forced_or_refused(monkeypatch):
@@ -685,14 +752,11 @@ def test_the_read_tile_is_forced_or_refused(monkeypatch):
     from gemmactl.runtime.engine import kv_attention
 
     def forced(value):
-        monkeypatch.setenv(kv_attention.TILE_ENV, value)
-        kv_attention.read_tile.cache_clear()
-        try:
-            return kv_attention.read_tile()
-        finally:
-            kv_attention.read_tile.cache_clear()
+        return _forced_tile(monkeypatch, kv_attention.TILE_ENV, kv_attention.read_tile, value)
 
     assert forced("") == kv_attention.DEFAULT_READ_TILE
+    assert kv_attention.tile_for(512) == kv_attention.SHORT_READ_TILE  # a sliding window's
+    assert kv_attention.tile_for(32768) == kv_attention.DEFAULT_READ_TILE
     assert forced("64,256,128,64,8") == kv_attention.ReadTile(64, 256, 128, 64, 8, kv_attention.PROGRAMS_PER_SM)
     assert forced("64,256,128,64,8,2").programs_per_sm == 2
     for bad in ("8,128,64,128,4", "32,16,64,128,4", "32,128,64,96,4", "32,128,64,128,3", "a,b", "32,128"):

@@ -11,7 +11,8 @@ import torch
 
 
 def tile_setting(env: str, tile_type, fields: str, example: str):
-    """The tile env forces ("ROWS,K,WARPS[,PROGRAMS]", the first three powers of two), or None when unset."""
+    """The tile env forces ("ROWS,K,WARPS[,MORE]", the first three powers of two, the rest at least 1),
+    or None when unset."""
     setting = os.environ.get(env, "").strip()
     if not setting:
         return None
@@ -19,7 +20,7 @@ def tile_setting(env: str, tile_type, fields: str, example: str):
         tile = tile_type(*(int(v) for v in setting.split(",")))
     except (TypeError, ValueError):
         tile = None
-    if tile is None or not all(v > 0 and v & (v - 1) == 0 for v in tile[:3]) or tile.programs_per_sm < 1:
+    if tile is None or not all(v > 0 and v & (v - 1) == 0 for v in tile[:3]) or any(v < 1 for v in tile[3:]):
         raise ValueError(f"{env}={setting!r}: expected {fields}, the first three powers of two (e.g. {example}); "
                          "unset it for the engine's own tiles")
     return tile

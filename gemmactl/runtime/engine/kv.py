@@ -324,8 +324,8 @@ class TurboKVCache(CenteredKVCache):
             _, _, positions, slots = self._slots_for(k, v, positions)
             turned_q = kv_turn.turned_write(q, k, v, self.centres["k"], self.centres["v"], self.signs,
                                             self.edges["k"], self.edges["v"], self.codes["k"], self.scales["k"],
-                                            self.codes["v"], self.scales["v"], slots, self.bits["k"], self.bits["v"])
-            self.pos.index_copy_(0, slots, positions)
+                                            self.codes["v"], self.scales["v"], slots, positions, self.pos,
+                                            self.bits["k"], self.bits["v"])
             return turned_q
         heads, kv_heads = q.shape[1], k.shape[1]
         centred = (q.float(), k.float() - self.centres["k"], v.float() - self.centres["v"])

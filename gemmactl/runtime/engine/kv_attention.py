@@ -79,15 +79,27 @@ class ReadTile(NamedTuple):
 
 
 DEFAULT_READ_TILE = ReadTile(SCORE_BLOCK, SCORE_CHUNK, VALUE_BLOCK, VALUE_CHUNK, WARPS)
+# A short cache (a sliding layer's window) is read in blocks of 16 slots: twice the programs for its
+# few hundred slots. Read alone on an H100 (E4B's shape, 256 wide, tq4), a window of 512 slots took
+# 0.0144 ms against 0.0155 at 32-slot blocks, one of 1,024 0.0153 against 0.0178; a 32K cache took
+# 0.121 at 16-slot blocks against 0.105 (docs/benchmarks.md).
+SHORT_SLOTS = 1024
+SHORT_READ_TILE = ReadTile(16, SCORE_CHUNK, 16, VALUE_CHUNK, WARPS)
 _TILE_FIELDS = "SCORE_BLOCK,SCORE_CHUNK,VALUE_BLOCK,VALUE_CHUNK,WARPS[,PROGRAMS_PER_SM]"
 
 
+def tile_for(slots) -> ReadTile:
+    """The read's tiles for a cache of slots slots (read_tile's, short up to SHORT_SLOTS)."""
+    return read_tile(bool(slots <= SHORT_SLOTS))
+
+
 @functools.cache
-def read_tile() -> ReadTile:
-    """The read's tiles: TILE_ENV's where set (read once a process), else DEFAULT_READ_TILE."""
+def read_tile(short: bool = False) -> ReadTile:
+    """The read's tiles: TILE_ENV's where set (read once a process), else SHORT_READ_TILE for a
+    short cache and DEFAULT_READ_TILE for a longer one."""
     forced = tile_setting(TILE_ENV, ReadTile, _TILE_FIELDS, "32,128,32,128,4")
     if forced is None:
-        return DEFAULT_READ_TILE
+        return SHORT_READ_TILE if short else DEFAULT_READ_TILE
     sizes = (forced.score_block, forced.score_chunk, forced.value_block, forced.value_chunk, forced.warps)
     if min(sizes[:4]) < 16 or min(forced.score_chunk, forced.value_chunk) < 32 \
             or not all(v & (v - 1) == 0 for v in sizes):
@@ -144,11 +156,10 @@ def _kernel():
     return triton, kernels, tl.float16
 
 
-def shares_for(slots: int, programs: int, device: torch.device) -> tuple[int, int]:
+def shares_for(slots: int, programs: int, device: torch.device, tile: ReadTile) -> tuple[int, int]:
     """(shares, slots per share) for `programs` programs a share over slots: enough shares that the
-    GPU's multiprocessors each get the read tile's programs_per_sm programs (PROGRAMS_PER_SM by
-    default), a whole number of its value blocks each."""
-    tile = read_tile()
+    GPU's multiprocessors each get the tile's programs_per_sm programs (PROGRAMS_PER_SM by default),
+    a whole number of its value blocks each."""
     blocks = -(-slots // tile.value_block)
     shares = max(1, min(blocks, -(-tile.programs_per_sm * _sms(device) // max(programs, 1))))
     per = -(-blocks // shares) * tile.value_block
@@ -169,18 +180,21 @@ def _group_block(groups: int) -> int:
 
 
 # Only the kernels' launches are opaque ops: a compiled step fuses the softmax between them and the
-# sum of the shares after with the operations around them, rather than launching each alone.
+# sum of the shares after with the operations around them, rather than launching each alone. The
+# tiles and the values' shares are the ops' arguments, chosen where the step is traced: so they are
+# constants of the compiled graph, and a graph compiled (and cached on disk) at other tiles, whose
+# shares are another number, is not taken for it.
 @torch.library.custom_op("gemmactl::quantized_key_scores", mutates_args=())
 def quantized_key_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, k_levels: torch.Tensor,
                          key_positions: torch.Tensor, positions: torch.Tensor, k_bits: int, query_scale: float,
-                         window: int) -> torch.Tensor:
+                         window: int, tile: list[int]) -> torch.Tensor:
     """Scores [T·K, g, S] (float32) of query rows q [T, K, g, D], unseen slots at -3e38."""
     triton, kernels, dot = _kernel()
     t, kv_heads, groups, dim = q.shape
     slots = k_codes.shape[0]
     k0, k1 = code_planes(k_bits)
     scores = torch.empty((t * kv_heads, groups, slots), dtype=torch.float32, device=q.device)
-    tile = read_tile()
+    tile = ReadTile(*tile)
     kernels.key_scores[(t * kv_heads, triton.cdiv(slots, tile.score_block))](
         q.contiguous(), k_codes.view(torch.int32), k_scales, k_levels, key_positions, positions, scores, slots,
         kv_heads, groups, k_codes.shape[-1] // 4, query_scale, window, D=dim, W0=k0, W1=k1,
@@ -190,23 +204,24 @@ def quantized_key_scores(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch
 
 
 @quantized_key_scores.register_fake
-def _(q, k_codes, k_scales, k_levels, key_positions, positions, k_bits, query_scale, window):
+def _(q, k_codes, k_scales, k_levels, key_positions, positions, k_bits, query_scale, window, tile):
     t, kv_heads, groups, _ = q.shape
     return q.new_empty((t * kv_heads, groups, k_codes.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("gemmactl::quantized_weighted_values", mutates_args=())
 def quantized_weighted_values(weights: torch.Tensor, v_codes: torch.Tensor, v_scales: torch.Tensor,
-                              v_levels: torch.Tensor, kv_heads: int, v_bits: int) -> torch.Tensor:
-    """Each share's weighted values [T·K, shares, g, D] (float32) for weights [T·K, g, S]."""
+                              v_levels: torch.Tensor, kv_heads: int, v_bits: int, tile: list[int], shares: int,
+                              per: int) -> torch.Tensor:
+    """Each share's weighted values [T·K, shares, g, D] (float32) for weights [T·K, g, S]: shares
+    of per slots each (shares_for)."""
     triton, kernels, dot = _kernel()
     rows, groups, slots = weights.shape
     dim = v_codes.shape[-1] * 8 // v_bits
     v0, v1 = code_planes(v_bits)
-    tile = read_tile()
+    tile = ReadTile(*tile)
     chunk = min(tile.value_chunk, dim)
     runs = value_runs(dim, v0, chunk)
-    shares, per = shares_for(slots, rows * runs, weights.device)
     parts = torch.empty((rows, shares, groups, dim), dtype=torch.float32, device=weights.device)
     kernels.weighted_values[(rows, shares, runs)](
         weights.contiguous(), v_codes.view(torch.int32), v_scales, v_levels, parts, slots, kv_heads, groups,
@@ -216,12 +231,9 @@ def quantized_weighted_values(weights: torch.Tensor, v_codes: torch.Tensor, v_sc
 
 
 @quantized_weighted_values.register_fake
-def _(weights, v_codes, v_scales, v_levels, kv_heads, v_bits):
+def _(weights, v_codes, v_scales, v_levels, kv_heads, v_bits, tile, shares, per):
     rows, groups, slots = weights.shape
-    dim = v_codes.shape[-1] * 8 // v_bits
-    runs = value_runs(dim, code_planes(v_bits)[0], min(read_tile().value_chunk, dim))
-    shares, _ = shares_for(slots, rows * runs, weights.device)
-    return weights.new_empty((rows, shares, groups, dim), dtype=torch.float32)
+    return weights.new_empty((rows, shares, groups, v_codes.shape[-1] * 8 // v_bits), dtype=torch.float32)
 
 
 def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor, k_levels: torch.Tensor,
@@ -237,11 +249,15 @@ def quantized_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.
     t, kv_heads, groups, dim = q.shape
     if not shape_fits(dim):  # a run of words is a tl.arange: a power of two wide (shape_fits)
         raise ValueError(f"the fused KV read takes head dims that are powers of two from 32, not {dim}")
+    slots = k_codes.shape[0]
+    tile = tile_for(slots)
     scores = quantized_key_scores(q, k_codes, k_scales, k_levels, key_positions, positions, k_bits, query_scale,
-                                  window)
+                                  window, list(tile))
     # The softmax over a few rows' scores (16 bytes a slot and KV head for Gemma 4's 4 query heads a
     # KV head, against 516 of a tq4 key and value of 512 coordinates), normalized, so the values'
     # shares only add up.
     weights = torch.softmax(scores, dim=-1)
-    parts = quantized_weighted_values(weights, v_codes, v_scales, v_levels, kv_heads, v_bits)
+    runs = value_runs(dim, code_planes(v_bits)[0], min(tile.value_chunk, dim))
+    shares, per = shares_for(slots, t * kv_heads * runs, q.device, tile)
+    parts = quantized_weighted_values(weights, v_codes, v_scales, v_levels, kv_heads, v_bits, list(tile), shares, per)
     return parts.sum(1).reshape(t, kv_heads, groups, dim)

@@ -37,19 +37,20 @@ def _codes(u, edge_ptr, EDGES: tl.constexpr):
 
 @triton.jit
 def turned_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, sign_ptr, h_ptr, ke_ptr, ve_ptr, kcode_ptr, vcode_ptr,
-                 kscale_ptr, vscale_ptr, slot_ptr, out_ptr, rows, heads, kv_heads, slots, inv_root,
+                 kscale_ptr, vscale_ptr, slot_ptr, at_ptr, pos_ptr, out_ptr, rows, heads, kv_heads, slots, inv_root,
                  D: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, PART: tl.constexpr,
                  KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
-                 K_EDGES: tl.constexpr, V_EDGES: tl.constexpr):
+                 K_EDGES: tl.constexpr, V_EDGES: tl.constexpr, STAGES: tl.constexpr):
     """A block of ROWS vectors and a chunk of CHUNK coordinates of their turned values. The vectors
     of a step's T tokens are taken in order: each token's N query heads, then its K keys, then its K
     values (rows = T·(N + 2K)). Each is turned, y = ((x - centre) · signs) H / sqrt(D) with H the
     ±1 Hadamard matrix, by two float16 products on tensor cores (the vector's float16 part and the
     float16 part of what that leaves, each exact against H's ±1, summed in float32: about 22 bits of
-    the vector's mantissa), PART coordinates of the contraction at a time. A query's chunk is stored
-    turned (float32); a key's or value's chunk is quantized against its scale (the vector's RMS,
-    which the rotation keeps, as float16) and its codes stored at the token's slot, the scale by the
-    first chunk's program."""
+    the vector's mantissa), PART coordinates of the contraction at a time in a loop Triton pipelines
+    (STAGES parts in flight). A query's chunk is stored turned (float32); a key's or value's chunk
+    is quantized against its scale (the vector's RMS, which the rotation keeps, as float16) and its
+    codes stored at the token's slot; the first chunk's program stores the scale and the slot's
+    position (at_ptr: the tokens' positions)."""
     block = tl.program_id(0)
     start = tl.program_id(1) * CHUNK
     r = block * ROWS + tl.arange(0, ROWS)
@@ -61,18 +62,23 @@ def turned_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, sign_ptr, h_ptr, ke_ptr, v
     is_k = ok & (j >= heads) & (j < heads + kv_heads)
     is_v = ok & (j >= heads + kv_heads)
     head = tl.where(is_q, j, tl.where(is_k, j - heads, j - heads - kv_heads))
+    # One pointer a row (its tensor's, all of one dtype) and one centre (none for a query): two loads
+    # a part, in a loop. The kernel's earlier form loaded each tensor masked to its rows (five loads
+    # a part) with the parts unrolled, and Triton's sm_90 build held them all at once: 255
+    # registers a thread, 696 and 2,184 bytes spilled at 256 and 512 wide. This one holds 130 at
+    # the default tile, none spilled.
+    src = tl.where(is_q, q_ptr + (t * heads + head) * D,
+                   tl.where(is_k, k_ptr + (t * kv_heads + head) * D, v_ptr + (t * kv_heads + head) * D))
+    centre = tl.where(is_k, kc_ptr, vc_ptr) + head * D
+    centred = ok & ~is_q
     c = tl.arange(0, CHUNK)
     p = tl.arange(0, PART)
     acc = tl.zeros((ROWS, CHUNK), dtype=tl.float32)
     squares = tl.zeros((ROWS,), dtype=tl.float32)
-    for part in tl.static_range(0, D, PART):
+    for part in tl.range(0, D, PART, num_stages=STAGES):
         d = (part + p)[None, :]
-        x = tl.load(q_ptr + (t * heads + head)[:, None] * D + d, mask=is_q[:, None], other=0.0).to(tl.float32)
-        kv = (t * kv_heads + head)[:, None] * D + d
-        x += tl.load(k_ptr + kv, mask=is_k[:, None], other=0.0).to(tl.float32) \
-            - tl.load(kc_ptr + head[:, None] * D + d, mask=is_k[:, None], other=0.0)
-        x += tl.load(v_ptr + kv, mask=is_v[:, None], other=0.0).to(tl.float32) \
-            - tl.load(vc_ptr + head[:, None] * D + d, mask=is_v[:, None], other=0.0)
+        x = tl.load(src[:, None] + d, mask=ok[:, None], other=0.0).to(tl.float32) \
+            - tl.load(centre[:, None] + d, mask=centred[:, None], other=0.0)
         squares += tl.sum(x * x, axis=1)
         x = x * tl.load(sign_ptr + part + p)[None, :]
         high = x.to(tl.float16)
@@ -99,3 +105,5 @@ def turned_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, sign_ptr, h_ptr, ke_ptr, v
     if start == 0:
         tl.store(kscale_ptr + at, scale, mask=is_k)
         tl.store(vscale_ptr + at, scale, mask=is_v)
+        first = ok & inside & (j == 0)  # a token's first row stores its position
+        tl.store(pos_ptr + slot, tl.load(at_ptr + t, mask=first, other=0), mask=first)
