@@ -720,6 +720,22 @@ def test_the_read_names_its_tiles_in_the_traced_graph(monkeypatch):
     assert short != forced
 
 
+def test_the_turned_write_takes_one_dtype():
+    """The write's kernel takes a row's vector through one pointer of one type: queries, keys and
+    values of different dtypes are refused before a launch, not compiled into a type error."""
+    from gemmactl.runtime.engine import kv_turn
+
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
+    cache = make_cache("tq4", 8, 2, 64, False, torch.float32, "cpu", seed=1)
+    cache.begin(torch.randn(2, 2, 64), torch.randn(2, 2, 64))
+    q, k, v = torch.randn(1, 4, 64, dtype=torch.bfloat16), torch.randn(1, 2, 64), torch.randn(1, 2, 64)
+    positions = torch.tensor([0])
+    with pytest.raises(ValueError, match="one dtype"):
+        kv_turn.turned_write(q, k, v, cache.centres["k"], cache.centres["v"], cache.signs, cache.edges["k"],
+                             cache.edges["v"], cache.codes["k"], cache.scales["k"], cache.codes["v"],
+                             cache.scales["v"], positions, positions, cache.pos, cache.bits["k"], cache.bits["v"])
+
+
 def _forced_tile(monkeypatch, env: str, tile, value: str):
     """What the cached tile function `tile` gives with env set to value (cached anew before and after)."""
     monkeypatch.setenv(env, value)

@@ -79,24 +79,26 @@ class ReadTile(NamedTuple):
 
 
 DEFAULT_READ_TILE = ReadTile(SCORE_BLOCK, SCORE_CHUNK, VALUE_BLOCK, VALUE_CHUNK, WARPS)
-# A short cache (a sliding layer's window) is read in blocks of 16 slots: twice the programs for its
-# few hundred slots. Read alone on an H100 (E4B's shape, 256 wide, tq4), a window of 512 slots took
-# 0.0144 ms against 0.0155 at 32-slot blocks, one of 1,024 0.0153 against 0.0178; a 32K cache took
-# 0.121 at 16-slot blocks against 0.105 (docs/benchmarks.md).
+# A read of a short cache (1,024 slots or fewer: a sliding layer's window) takes blocks of 16 slots,
+# twice the programs for its few hundred slots. Read alone on an H100 (E4B's shape, 256 wide, tq4),
+# a window of 512 slots took 0.0144 ms against 0.0155 at 32-slot blocks, one of 1,024 0.0153
+# against 0.0178 (docs/benchmarks.md); a 32K cache (512 wide) 0.121 at 16-slot blocks against 0.105
+# (results/kv_read_gpu-e4b-global-forms-h100-gpu.json).
 SHORT_SLOTS = 1024
 SHORT_READ_TILE = ReadTile(16, SCORE_CHUNK, 16, VALUE_CHUNK, WARPS)
 _TILE_FIELDS = "SCORE_BLOCK,SCORE_CHUNK,VALUE_BLOCK,VALUE_CHUNK,WARPS[,PROGRAMS_PER_SM]"
 
 
 def tile_for(slots) -> ReadTile:
-    """The read's tiles for a cache of slots slots (read_tile's, short up to SHORT_SLOTS)."""
+    """The read's tiles for a read of slots slots (read_tile's, short up to SHORT_SLOTS)."""
     return read_tile(bool(slots <= SHORT_SLOTS))
 
 
 @functools.cache
 def read_tile(short: bool = False) -> ReadTile:
-    """The read's tiles: TILE_ENV's where set (read once a process), else SHORT_READ_TILE for a
-    short cache and DEFAULT_READ_TILE for a longer one."""
+    """The read's tiles: TILE_ENV's where set (for every read, short or long), else SHORT_READ_TILE
+    for a short read and DEFAULT_READ_TILE for a longer one. Cached; a compiled step reads it where
+    it is traced, and its ops take the tiles as arguments (below)."""
     forced = tile_setting(TILE_ENV, ReadTile, _TILE_FIELDS, "32,128,32,128,4")
     if forced is None:
         return SHORT_READ_TILE if short else DEFAULT_READ_TILE

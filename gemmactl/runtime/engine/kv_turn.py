@@ -91,19 +91,20 @@ def turned_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_centre: to
 
     t, heads, dim = q.shape
     kv_heads = k.shape[1]
+    if not q.dtype == k.dtype == v.dtype:  # the kernel takes one pointer a row, of one type
+        raise ValueError(f"the turned write takes q, k and v of one dtype, not {q.dtype}, {k.dtype}, {v.dtype}")
     k0, k1 = code_planes(k_bits)
     v0, v1 = code_planes(v_bits)
     out = torch.empty((t, heads, dim), dtype=torch.float32, device=q.device)
     rows = t * (heads + 2 * kv_heads)
     chunk, part, warps, stages = tile()
     chunk, part = min(chunk, dim), min(part, dim)
-    grid = (triton.cdiv(rows, ROWS), dim // chunk)
-    common = dict(D=dim, ROWS=ROWS, CHUNK=chunk, PART=part, KW0=k0, KW1=k1, VW0=v0, VW1=v1,
-                  K_EDGES=k_edges.shape[0], V_EDGES=v_edges.shape[0], num_warps=warps)
-    kv_turn_kernel.turned_write[grid](
+    kv_turn_kernel.turned_write[(triton.cdiv(rows, ROWS), dim // chunk)](
         q.contiguous(), k.contiguous(), v.contiguous(), k_centre, v_centre, signs, hadamard(dim, str(q.device)),
-        k_edges, v_edges, k_codes, v_codes, k_scales, v_scales, slots, positions, pos, out, rows, heads, kv_heads,
-        k_codes.shape[0], 1.0 / math.sqrt(dim), STAGES=stages, **common)
+        k_edges, v_edges, k_codes, v_codes, k_scales, v_scales, slots.contiguous(), positions.contiguous(), pos, out,
+        rows, heads, kv_heads, k_codes.shape[0], 1.0 / math.sqrt(dim), D=dim, ROWS=ROWS, CHUNK=chunk, PART=part,
+        KW0=k0, KW1=k1, VW0=v0, VW1=v1, K_EDGES=k_edges.shape[0], V_EDGES=v_edges.shape[0], STAGES=stages,
+        num_warps=warps)
     return out
 
 

@@ -66,7 +66,7 @@ def turned_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, sign_ptr, h_ptr, ke_ptr, v
     # a part, in a loop. The kernel's earlier form loaded each tensor masked to its rows (five loads
     # a part) with the parts unrolled, and Triton's sm_90 build held them all at once: 255
     # registers a thread, 696 and 2,184 bytes spilled at 256 and 512 wide. This one holds 130 at
-    # the default tile, none spilled.
+    # the default tile, none spilled (benchmarks/kv_kernels_sm90.py).
     src = tl.where(is_q, q_ptr + (t * heads + head) * D,
                    tl.where(is_k, k_ptr + (t * kv_heads + head) * D, v_ptr + (t * kv_heads + head) * D))
     centre = tl.where(is_k, kc_ptr, vc_ptr) + head * D
