@@ -94,7 +94,7 @@ def turned_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, sign_ptr, h_ptr, ke_ptr, v
     safe = tl.where(scale > 0, scale.to(tl.float32), 1.0)
     u = tl.div_rn(y, safe[:, None])
     slot = tl.load(slot_ptr + t, mask=ok, other=0)
-    inside = slot < slots  # never past the cache (index_copy_ would raise; a kernel would write on)
+    inside = slot < slots  # never past the cache (torch's write raises there; a kernel would write on: skipped)
     is_k = is_k & inside
     is_v = is_v & inside
     at = slot * kv_heads + head
