@@ -147,7 +147,7 @@ def open_backend(
     options: dict = {"context_size": context, "n_threads": threads}
     if experts is not None and not experts.is_default and kind != "int4":
         raise InvalidOptionError("the expert cache belongs to the int4 engine, and this model runs on llama.cpp",
-                                 hint="Drop --expert-cache/--expert-policy (GGUF tiers keep experts on the CPU with "
+                                 hint="Drop the --expert-* options (GGUF tiers keep experts on the CPU with "
                                       "the plan's -ot), or give the tier an int4-stream artifact.")
     check_mode(kv_cache, kind)
     if draft is not None and kind != "int4":
@@ -251,15 +251,19 @@ def draft_settings_for(tier, store: Store, draft: str | None = None, draft_max: 
     return DraftSettings(str(resolved.path), k_max=k_max, tune=tune)
 
 
-def expert_settings_for(tier, cache: str | None = None, policy: str | None = None, prefetch: bool | None = None):
+def expert_settings_for(tier, cache: str | None = None, policy: str | None = None, prefetch: bool | None = None,
+                        cpu_share: str | None = None):
     """The expert cache a run asks for: the options (--expert-cache SIZE|auto|off, --expert-policy,
-    --expert-prefetch) over the tier's expert_cache / expert_policy / expert_prefetch."""
-    from gemmactl.runtime.engine.expert_settings import ExpertSettings, check_policy, parse_expert_cache
+    --expert-prefetch, --expert-cpu-share) over the tier's expert_cache / expert_policy /
+    expert_prefetch / expert_cpu_share."""
+    from gemmactl.runtime.engine.expert_settings import (ExpertSettings, check_policy, parse_cpu_share,
+                                                         parse_expert_cache)
 
     cache_bytes = parse_expert_cache(cache) if cache is not None else tier.expert_cache
     chosen = check_policy(policy if policy is not None else tier.expert_policy)
+    share = parse_cpu_share(cpu_share) if cpu_share is not None else tier.expert_cpu_share
     return ExpertSettings(cache_bytes=cache_bytes, policy=chosen,
-                          prefetch=tier.expert_prefetch if prefetch is None else prefetch)
+                          prefetch=tier.expert_prefetch if prefetch is None else prefetch, cpu_share=share)
 
 
 def _served(model: ResolvedModel, placement: GpuPlacement, *, context: int, threads: int | None, store: Store,

@@ -78,6 +78,7 @@ class Tier:
     expert_cache: int | None = None  # MoE on the int4 engine: device bytes for cached experts (None: auto, 0: off)
     expert_policy: str | None = None  # lru, lfu or hot (None: the engine's default)
     expert_prefetch: bool = True  # copy in the next MoE layer's likely experts ahead of it
+    expert_cpu_share: float | None = None  # share of each MoE layer's experts computed on the CPU (None: the plan's)
     kv_cache: str | None = None  # KV cache mode: bf16/int8/tq4/tq3 (int4 engine), f16/q8_0/q4_0 (llama.cpp)
     yarn: float | None = None  # YaRN factor for the global layers' rope (int4 engine)
 
@@ -202,7 +203,7 @@ _TOP_KEYS = ("name", "description", "default_tier", "tiers")
 _TIER_KEYS = (
     "model", "backend", "context", "thinking", "sampling", "description", "make", "needs", "parallel", "speculative",
     "flash_attn", "backend_sampling", "vram", "rpc", "expert_cache", "expert_policy",
-    "expert_prefetch", "kv_cache", "yarn",
+    "expert_prefetch", "expert_cpu_share", "kv_cache", "yarn",
 )
 _SPECULATIVE_KEYS = ("type", "draft_model", "draft_max", "draft_min", "enabled")
 _SAMPLING_KEYS = tuple(f.name for f in fields(Sampling))
@@ -324,6 +325,16 @@ class _Reader:
             changes["expert_policy"] = _scalar(entry.value)
         if "expert_prefetch" in values:
             changes["expert_prefetch"] = self.boolean(values["expert_prefetch"])
+        if "expert_cpu_share" in values:
+            from gemmactl.errors import InvalidOptionError
+            from gemmactl.runtime.engine.expert_settings import parse_cpu_share
+
+            entry = values["expert_cpu_share"]
+            try:
+                changes["expert_cpu_share"] = parse_cpu_share(_scalar(entry.value), option=entry.path)
+            except InvalidOptionError:
+                raise self.error(entry.value, f"{entry.path} must be a fraction from 0 to 1 or auto, "
+                                              f"got {_shown(entry.value)}") from None
         if "kv_cache" in values:
             from gemmactl.runtime.engine.kv_modes import ENGINE_MODES, LLAMACPP_MODES, mode_problem
 

@@ -227,6 +227,70 @@ def test_a_staged_step_with_prefetch_takes_guessed_misses_from_the_ahead_rows_an
         ahead_stats["prefetched"] - ahead_stats["prefetch_hits"])
 
 
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_experts_homed_on_the_host_give_the_same_tokens_whatever_the_cache_and_staged_or_not(moe_artifact,
+                                                                                         monkeypatch, share):
+    """A share of each layer's experts homed on the host (ExpertSettings.cpu_share): computed there
+    always, never cached or copied, so the cache's size, its policy and prefetch change nothing,
+    eagerly or staged as a captured step runs them (the homed experts' outputs taken in place of
+    their staging rows). Token for token and bit for bit the engine with the same homes and every
+    other expert cached; the cache sees only the other experts, and the arena holds rows for them
+    alone."""
+    monkeypatch.setattr(experts_module, "AGE_EVERY", 7)
+    reference = _engine(moe_artifact, ExpertSettings(cpu_share=share, arena=True, prefetch=False))
+    expected_tokens, expected_logits = engine_greedy(reference, PROMPT, STEPS, chunk=3)
+    store = reference.experts.store
+    layers = {layer for layer, _ in store.records}
+    per_layer = len(store.records) // len(layers)
+    assert len(store.homed) == len(layers) * round(share * per_layer)
+    assert len(store.homed) < len(store.records) or share == 1.0
+    total = len(store.records) - len(store.homed)
+    assert reference.experts.cache.capacity == total and len(store.arena.rows) == total
+    assert not set(store.arena.rows) & store.homed
+
+    def decode(engine, staged: bool, prefetch: bool):
+        logits_seen = []
+
+        def experts_of(call):
+            block = call.block
+            guess = block.next.route(call.residual)[1] if prefetch and block.next is not None else None
+            guessed = block.stage(call.experts, guess, call.x)
+            if guessed is not None:
+                block.next.stage_ahead(guessed)
+            return block.staged_sum(call.x, call.weights, call.experts)
+
+        def decoder(token, position):
+            x, per_layer_rows = engine.embed_tokens(token)
+            logits = engine.forward(x, per_layer_rows, torch.tensor([position]), position + 1,
+                                    experts_of=experts_of if staged else None)
+            logits_seen.append(logits.clone())
+            return logits
+
+        tokens, _ = engine_greedy(engine, PROMPT, STEPS, chunk=3, decoder=decoder)
+        return tokens, torch.stack(logits_seen), engine.experts.stats()
+
+    _, reference_logits, _ = decode(_engine(moe_artifact, ExpertSettings(cpu_share=share, arena=True,
+                                                                          prefetch=False)), False, False)
+    for policy, slots, prefetch in (("lfu", 0, False), ("lru", 1, False), ("lfu", "half", True),
+                                    ("hot", "half", False)):
+        room = total // 2 if slots == "half" else slots
+        for staged in (False, True):
+            settings = ExpertSettings(cache_bytes=room * store.expert_bytes, policy=policy, cpu_share=share,
+                                      arena=True, prefetch=prefetch)
+            engine = _engine(moe_artifact, settings)
+            if not staged:
+                for block in engine.experts.blocks:
+                    block.prefetch = False  # eager prefetch copies into the cache: its hits differ
+            tokens, logits, stats = decode(engine, staged, prefetch and staged)
+            label = (policy, slots, prefetch, staged)
+            assert tokens == expected_tokens, label
+            assert torch.equal(logits, reference_logits), label
+            assert stats["hits"] + stats["misses"] == engine.experts.cache.lookups, label
+            assert 0 < stats["host_share"] <= 1.0 and (stats["host_share"] == 1.0) == (share == 1.0), label
+            if share == 1.0:
+                assert stats["hits"] == stats["misses"] == stats["copied"] == 0, label
+
+
 def test_the_forward_hands_each_moe_layers_experts_to_its_caller(moe_artifact):
     """forward(experts_of=...) is where a captured MoE step cuts its graphs: it is called once per
     MoE layer, in order, with the router's choice made, and what it returns is that layer's sum."""
@@ -273,7 +337,7 @@ def test_an_moe_step_is_captured_in_pieces_on_cuda_unless_turned_off(monkeypatch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["table", "pieces", "pieces-prefetch"])
+@pytest.mark.parametrize("mode", ["table", "pieces", "pieces-prefetch", "pieces-homed"])
 def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mode):
     """On CUDA: (pieces, the default) graphs cut after each MoE layer's router, the chosen experts
     copied into staging rows between replays; or (table, asked for) the whole step in one graph,
@@ -281,7 +345,9 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
     over the link), the cache kept by the host after each token (graph_moe.TableDecode). The
     tokens of the eager step with the cache whole, small and off, under each policy, and logits
     within bfloat16 rounding. (pieces-prefetch: the pieces, each also guessing the next layer's
-    experts, copied into the ahead rows while the next piece computes.)"""
+    experts, copied into the ahead rows while the next piece computes; pieces-homed: with prefetch,
+    half of each layer's experts homed on the host, computed there between the pieces, their
+    outputs crossing in place of their staging rows: the same tokens whatever the cache.)"""
     from gemmactl.runtime.engine.graph import DecodeStep
     from gemmactl.runtime.engine.graph_moe import PiecewiseDecode, TableDecode
     from gemmactl.runtime.engine.kernels import int4_groups_kept
@@ -290,12 +356,14 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
     if mode == "table" and not int4_groups_kept(expert=True):
         pytest.skip("the table step needs the experts in the Triton kernels' layout (Triton missing)")
     monkeypatch.setenv("GEMMACTL_ENGINE_GRAPH", "auto")
-    prefetch = mode == "pieces-prefetch"
+    prefetch = mode in ("pieces-prefetch", "pieces-homed")
+    share = 0.5 if mode == "pieces-homed" else None
+    first = None
     monkeypatch.setenv("GEMMACTL_ENGINE_MOE", mode.split("-")[0])
     expert_bytes = None
     for slots, policy in ((None, "lfu"), (3, "lfu"), (3, "lru"), (5, "hot"), (0, "lfu")):
         settings = ExpertSettings(cache_bytes=None if slots is None else slots * expert_bytes, policy=policy,
-                                  prefetch=prefetch)
+                                  prefetch=prefetch, cpu_share=share)
         engine = GemmaModel(moe_artifact, device="cuda", dtype=torch.bfloat16, context=64, experts=settings)
         expert_bytes = engine.experts.store.expert_bytes
         expected, _ = engine_greedy(engine, PROMPT, STEPS)  # eager, bounded
@@ -307,7 +375,11 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
             assert len(step.graph.graphs) == len(step.graph.calls) + 1 == sum(1 for layer in engine.layers if layer.moe) + 1
         tokens, _ = engine_greedy(engine, PROMPT, STEPS, decoder=step)
         assert tokens == expected, (slots, policy)
+        first = first or tokens
+        if share:  # which device computes an expert does not depend on the cache
+            assert tokens == first, (slots, policy)
         stats = engine.experts.stats()
+        assert (stats["host_share"] > 0) == bool(share)
         assert stats["copied"] == stats["misses"] and (slots != 0 or stats["hits"] == 0)
         assert stats["hits"] + stats["misses"] > 0
         if prefetch and slots is not None:  # guessed misses came from the ahead rows
@@ -455,6 +527,13 @@ def test_expert_options_that_cannot_apply_are_one_line_each(moe_run_artifact, ru
     assert result.exit_code != 0 and "lru, lfu, hot" in result.output and "Traceback" not in result.output
     result = invoke(runner, ["run", "--model", str(moe_run_artifact), "--expert-cache", "lots", "hello"])
     assert result.exit_code != 0 and "--expert-cache 'lots' is not a size" in result.output
+    result = invoke(runner, ["run", "--model", str(moe_run_artifact), "--expert-cpu-share", "2", "hello"])
+    assert result.exit_code != 0 and "--expert-cpu-share '2' is not a fraction from 0 to 1" in result.output
+    assert "Traceback" not in result.output
+    result = invoke(runner, ["bench", "--model", str(moe_run_artifact), "--expert-cpu-share", "most"])
+    assert result.exit_code != 0 and "--expert-cpu-share 'most' is not a fraction" in result.output
+    result = invoke(runner, ["run", "--expert-cpu-share", "0.5", "hello"])  # the embedded GGUF: llama.cpp
+    assert result.exit_code != 0 and "expert cache belongs to the int4 engine" in result.output
     result = invoke(runner, ["run", "--expert-cache", "1G", "hello"])  # the embedded GGUF: llama.cpp
     assert result.exit_code != 0 and "expert cache belongs to the int4 engine" in result.output
 

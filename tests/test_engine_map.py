@@ -326,6 +326,52 @@ def test_moe_experts_get_the_room_the_layers_leave(moe_artifact, runner):
     assert f"experts: {96 - 11} of 96 cached on the GPU" in result.output
 
 
+def test_the_plan_homes_experts_on_the_cpu_only_where_the_link_is_slow(moe_artifact, monkeypatch):
+    """expert_split prices each share of a layer's experts computed on the CPU: at the 26B-A4B
+    shape none where the link is about as fast as the host's kernels (an H100 machine's 55 GB/s;
+    the desktop-4g profile's PCIe 3.0, where homing would gain less than SHARE_GAIN), most where
+    the link is a PCIe x4 one (a predicted gain of more than SHARE_GAIN); none without a GPU of its
+    own. The map carries its share to the placement, and the engine takes it from there (on the
+    tiny model the split is made to say half: its experts are a few KB, priced far below the
+    host's fixed costs)."""
+    from dataclasses import replace
+
+    from gemmactl.formats.int4.reader import open_artifact
+    from gemmactl.plan import engine_map
+    from gemmactl.plan.auto import placement_of
+    from gemmactl.plan.engine_map import SHARE_GAIN, expert_split
+    from gemmactl.runtime.engine.model import GemmaModel
+
+    shape = dict(count=3840, layers=30, top_k=8, room=315, one=3345408, stored=3345408, dense=11894784)
+
+    def split(**profile):
+        return expert_split(*shape.values(), replace(PROFILE, **profile))
+
+    assert split(host_to_device=55e9, cpu_kernel_bandwidth=67e9)[0] == 0.0
+    assert split()[0] == 0.0  # desktop-4g as shipped
+    share, seconds, link, slots = split(host_to_device=6e9)  # a PCIe 4.0 x4 link
+    none = split(host_to_device=6e9, unified_memory=True)  # one memory: nothing to home
+    assert none[0] == 0.0 and share > 0.5 and seconds * SHARE_GAIN <= none[1]
+    assert link < none[2] and slots <= shape["count"] * (1 - share)
+    assert split(host_to_device=6e9, vram_bytes=0)[0] == 0.0
+
+    def half(count, layers, top_k, room, *rest):
+        return 0.5, 1e-3, 0.0, min(room, count // 2)
+
+    monkeypatch.setattr(engine_map, "expert_split", half)
+    chosen = plan_engine(moe_artifact, PROFILE, 64 << 30, CONTEXT)
+    assert chosen.expert_cpu_share == 0.5 and chosen.to_dict()["experts"]["cpu_share"] == 0.5
+    assert "50% of each MoE layer's computed on the CPU" in chosen.reason
+    placement = placement_of(chosen, PROFILE)
+    assert placement.expert_cpu_share == 0.5
+    engine = GemmaModel(open_artifact(moe_artifact), device="cpu", dtype=torch.float32, context=64,
+                        placement=placement)
+    store = engine.experts.store
+    layers = {layer for layer, _ in store.records}
+    assert len(store.homed) == len(store.records) // 2 and {layer for layer, _ in store.homed} == layers
+    assert engine.experts.cache.capacity == min(48, chosen.expert_cache_bytes // store.expert_bytes)
+
+
 def test_moe_under_the_plans_placement_decodes_the_same_tokens(moe_artifact):
     """The plan's map at its minimum (every layer streamed, no expert cached) and with some experts
     cached: the engine's greedy tokens are those of every layer and expert resident."""

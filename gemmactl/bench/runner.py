@@ -52,7 +52,7 @@ class BenchConfig:
     draft: str | None = None  # speculative decoding in llama-server with this draft model
     draft_max: int | None = None
     rpc: tuple[str, ...] = ()  # RPC workers for gemmactl's own target (instead of the tier's rpc)
-    experts: tuple = (None, None, None)  # --expert-cache, --expert-policy, --expert-prefetch over the tier's
+    experts: tuple = (None, None, None, None)  # --expert-cache, --expert-policy, --expert-prefetch, --expert-cpu-share
     flags: dict = field(default_factory=dict)
     argv: list[str] = field(default_factory=list)
 
@@ -93,11 +93,12 @@ def check_config(config: BenchConfig) -> list[BenchPrompt]:
         raise InvalidOptionError("--rpc measures gemmactl's own target alone: a worker serves one head at a time, "
                                  "and the llama.cpp targets would wait on it",
                                  hint="Leave out --compare llama-server/llama-cpp-python and --concurrency above 1.")
-    from gemmactl.runtime.engine.expert_settings import check_policy, parse_expert_cache
+    from gemmactl.runtime.engine.expert_settings import check_policy, parse_cpu_share, parse_expert_cache
 
-    cache, policy, _ = config.experts
+    cache, policy, _, share = config.experts
     if cache is not None:
         parse_expert_cache(cache)
+    parse_cpu_share(share)
     if policy is not None:
         check_policy(policy)
     if config.draft and "llama-server" not in compare and max(config.concurrency) == 1:

@@ -45,7 +45,7 @@ from gemmactl.cli.types import FiniteFloatRange
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), metavar="DIR", help="Write result.json (and plot.png) here.")
 @click.option("--plot", is_flag=True, help="With --out: also write plot.png (tok/s vs concurrency, cold vs warm TTFT).")
 def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_prefix, compare, gguf, hf_model, vram,
-          draft, draft_max, expert_cache, expert_policy, expert_prefetch, context, timeout, rpc, json_mode, out, plot):
+          draft, draft_max, expert_cache, expert_policy, expert_prefetch, expert_cpu_share, context, timeout, rpc, json_mode, out, plot):
     """Measure decode-only and wall-clock speed, optionally side by side.
 
     Every run reports load time, time to first token, prefill, decode-only and wall-clock tok/s
@@ -82,7 +82,7 @@ def bench(recipe, model, tier, prompts, max_tokens, concurrency, repeat, warm_pr
         recipe=recipe, model=model, tier=tier, prompts=prompts, max_tokens=max_tokens,
         concurrency=parse_concurrency(concurrency), repeat=repeat, warm_prefix=warm_prefix, compare=list(compare),
         gguf=gguf, hf_model=hf_model, vram_bytes=vram_bytes, draft=draft, draft_max=draft_max, context=context, timeout_s=timeout,
-        rpc=_workers(rpc), experts=(expert_cache, expert_policy, expert_prefetch), flags=dict(ctx.params),
+        rpc=_workers(rpc), experts=(expert_cache, expert_policy, expert_prefetch, expert_cpu_share), flags=dict(ctx.params),
         argv=_command_args(ctx),
     )
     check_config(config)

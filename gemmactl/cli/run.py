@@ -14,11 +14,12 @@ from gemmactl.sizes import format_size
 
 
 def expert_options(command):
-    """--expert-cache, --expert-policy and --expert-prefetch, as `run` and `bench` take them."""
+    """--expert-cache, --expert-policy, --expert-prefetch and --expert-cpu-share, as `run` and `bench` take them."""
     for option in reversed((
         click.option("--expert-cache", "expert_cache", metavar="SIZE|auto|off", help="MoE models on the int4 engine: GPU memory for cached experts (default: the tier's, else auto: the room the plan leaves)."),
         click.option("--expert-policy", "expert_policy", metavar="lru|lfu|hot", help="Which cached expert makes room for a new one (default: the tier's, else lfu)."),
         click.option("--expert-prefetch/--no-expert-prefetch", "expert_prefetch", default=None, help="Copy in the next MoE layer's likely experts ahead of it (default: the tier's, else on)."),
+        click.option("--expert-cpu-share", "expert_cpu_share", metavar="FRACTION|auto", help="Share of each MoE layer's experts always computed on the CPU, beside the GPU's cache (default: the tier's, else auto: the plan's split)."),
     )):
         command = option(command)
     return command
@@ -45,7 +46,7 @@ def expert_options(command):
 @click.option("--draft-tune/--no-draft-tune", "draft_tune", default=None, help="Let the tuner choose the draft length and turn speculation off when it loses (default), or always draft --draft-max.")
 @click.option("--json", "json_mode", is_flag=True, help="Print one JSON object: answer, thinking, route and stats.")
 def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show_thinking, raw, stats, rpc, expert_cache,
-        expert_policy, expert_prefetch, kv_cache, yarn, draft, draft_max, draft_tune, json_mode):
+        expert_policy, expert_prefetch, expert_cpu_share, kv_cache, yarn, draft, draft_max, draft_tune, json_mode):
     """Answer a prompt with a local model, routed to a tier.
 
     The answer streams to stdout as it is generated. The PROMPT comes from the arguments, or
@@ -80,7 +81,7 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
     store = Store()
     with byte_progress("assembling the embedded model", progress_enabled(json_mode)) as progress:
         resolved = resolve_run_model(spec, store, progress=progress)
-    experts = expert_settings_for(spec.tier, expert_cache, expert_policy, expert_prefetch)
+    experts = expert_settings_for(spec.tier, expert_cache, expert_policy, expert_prefetch, expert_cpu_share)
     speculation = draft_settings_for(spec.tier, store, draft, draft_max, draft_tune,
                                      engine=backend_for(resolved) == "int4")
     with byte_progress("laying out the experts for the CPU (first load only)", progress_enabled(json_mode),

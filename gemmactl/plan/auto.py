@@ -200,7 +200,8 @@ def placement_of(chosen, profile):
     from gemmactl.runtime.engine.placement import EnginePlacement
 
     return EnginePlacement(chosen.layers, chosen.tables_on_host, chosen.reason, chosen.expert_cache_bytes,
-                           link_bytes_s=profile.host_to_device, host_bytes_s=profile.cpu_bandwidth)
+                           link_bytes_s=profile.host_to_device, host_bytes_s=profile.cpu_bandwidth,
+                           expert_cpu_share=chosen.expert_cpu_share if chosen.experts else None)
 
 
 def rpc_placement(model_path: Path, context: int, endpoints, *, parallel: int = 1, vram: int | None = None,

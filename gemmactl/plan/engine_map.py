@@ -61,6 +61,17 @@ HOST_LAYERS_ENV = "GEMMACTL_PLAN_HOST_LAYERS"  # auto (default) | off: no layer 
 # uniform router): 28.3 and 29.1 tok/s measured where the map without this term predicted 64.3,
 # 0.63 ms a layer over 30 layers (docs/benchmarks.md).
 MOE_LAYER_WAIT_S = 0.63e-3
+# An expert homed on the CPU (runtime/engine/experts.py, ExpertStore.set_homes), one token: its two
+# products in torch's CPU int4 kernel at the profile's kernel rate, plus this much more: the
+# activation and copies around them on the host and the staging row the captured piece computes
+# for nothing. Fitted on an H100 machine (16 cores; 26B-A4B shape, 4 GiB, uniform router): a homed
+# expert cost the step 143-148 µs at shares 0.5 to 0.75, counting back the link time it saved at
+# 55 GB/s, where its products alone took 57 (docs/benchmarks.md; another machine's slower host: 238
+# at 0.25). Priced so, the steps the map predicts grow as the measured ones did: a layer pays its
+# host's work and its copies one after the other, not the longer of the two.
+EXPERT_HOST_S = 90e-6
+SHARE_STEPS = 16  # the plan tries the shares 0, 1/16, ..., 1 of each layer's experts on the CPU
+SHARE_GAIN = 1.05  # ... and homes experts only where that predicts at least this much more than none
 # A dense layer's fixed cost on the GPU in a step captured without compile fusion: graph.wanted
 # fuses only a step whose every layer is on the GPU (its tables on the GPU or in host memory), so a
 # step with streamed layers or layers on the host runs each operation as a kernel of its own.
@@ -107,6 +118,7 @@ class EngineMap:
     expert_cache_bytes: int | None = None  # MoE models: device room for cached experts
     expert_bytes: int = 0  # one expert in the device layout
     experts: int = 0  # experts in the model (every MoE layer)
+    expert_cpu_share: float = 0.0  # the share of each MoE layer's experts computed on the CPU, always
     kv_mode: str = "bf16"  # the KV caches' mode the map was sized for
     context: int = 0  # the context the map was sized for
     kv_reads: tuple[tuple[int, float], ...] = ()  # (slots at most, seconds per filled slot) of a step's cache reads
@@ -131,7 +143,7 @@ class EngineMap:
                 "minimum_vram_bytes": self.minimum_vram_bytes, "reason": self.reason, "kv_cache": self.kv_mode,
                 **({"longest_resident_context": self.longest_resident} if self.longest_resident is not None else {}),
                 **({"experts": {"count": self.experts, "expert_bytes": self.expert_bytes,
-                                "cache_bytes": self.expert_cache_bytes,
+                                "cache_bytes": self.expert_cache_bytes, "cpu_share": self.expert_cpu_share,
                                 "cached": self.expert_cache_bytes // self.expert_bytes}} if self.experts else {})}
 
 
@@ -592,8 +604,9 @@ def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, to
     The prediction assumes routing spread evenly, so the hit rate is the cached share of the
     experts (real routing is skewed: a measured hit rate is higher). A token reads top_k experts
     in each MoE layer: from the cache at GPU bandwidth, or on a miss copied over the link or
-    computed on the CPU, whichever is cheaper (runtime/engine/experts.MissRule); and each MoE layer
-    waits for the host once (MOE_LAYER_WAIT_S).
+    computed on the CPU, whichever is cheaper (runtime/engine/experts.MissRule); a share of each
+    layer's experts may be homed on the CPU, computed there beside the link's copies (expert_split
+    picks it); and each MoE layer waits for the host once (MOE_LAYER_WAIT_S).
     """
     if not experts:
         return chosen
@@ -601,20 +614,50 @@ def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, to
     stored = max(s for _, s, _ in experts.values())
     dense = max(d for _, _, d in experts.values())
     room = max(0, vram_bytes - chosen.gpu_total)
-    slots = min(len(experts), room // one)
-    chosen.gpu_bytes["experts"] = slots * one
     chosen.host_bytes += sum(s for _, s, _ in experts.values())
-    chosen.expert_cache_bytes, chosen.expert_bytes, chosen.experts = slots * one, one, len(experts)
-    reads = top_k * len({layer for layer, _ in experts})
-    hit = slots / len(experts)
-    copy_s, host_s = stored / profile.host_to_device, 2 * dense / profile.cpu_bandwidth
+    chosen.expert_bytes, chosen.experts = one, len(experts)
     layers = len({layer for layer, _ in experts})
-    per_token = reads * (hit * one / profile.gpu_bandwidth + (1 - hit) * min(copy_s, host_s)) + layers * MOE_LAYER_WAIT_S
+    share, per_token, link, slots = expert_split(len(experts), layers, top_k, room // one, one, stored, dense, profile)
+    chosen.gpu_bytes["experts"] = slots * one
+    chosen.expert_cache_bytes, chosen.expert_cpu_share = slots * one, share
     chosen.decode_tok_s = 1.0 / (1.0 / chosen.decode_tok_s + per_token)
-    if copy_s <= host_s:
-        chosen.link_bytes_per_token += round(reads * (1 - hit) * stored)
+    chosen.link_bytes_per_token += round(link)
     chosen.reason += f"; {slots} of {len(experts)} experts cached on the GPU"
+    if share:
+        chosen.reason += f", {share:.0%} of each MoE layer's computed on the CPU"
     return chosen
+
+
+def expert_split(count: int, layers: int, top_k: int, room: int, one: int, stored: int, dense: int,
+                 profile) -> tuple[float, float, float, int]:
+    """(share on the CPU, seconds a token, link bytes a token, cached experts) at the share of each
+    layer's experts homed on the CPU that prices a token lowest, where it beats none by SHARE_GAIN
+    (the model's own error is about that size; homing moves work onto the host's cores). A layer
+    pays its homed experts on the host (EXPERT_HOST_S says why beside its misses' copies, not
+    overlapped with them); hits are read at GPU bandwidth, the cache holding only experts not
+    homed (its hit rate their cached share, routing spread evenly); each MoE layer waits for the
+    host once (MOE_LAYER_WAIT_S). Homes pay where the link is slow against the host's kernels
+    (a PCIe 3.0 desktop), not where it is as fast (an H100 machine's 55 GB/s). Without a GPU of
+    its own (no link) nothing is homed."""
+    copy_s, dense_s = stored / profile.host_to_device, 2 * dense / profile.cpu_bandwidth
+    host_expert_s = stored / profile.host_kernel_bandwidth + EXPERT_HOST_S
+    best = None
+    for step in range(SHARE_STEPS + 1 if profile.has_gpu and not profile.unified_memory else 1):
+        share = step / SHARE_STEPS
+        homed = round(share * count / layers) * layers
+        population = count - homed
+        slots = min(population, room)
+        hit = slots / population if population else 0.0
+        device_reads, host_reads = top_k * (1 - homed / count), top_k * homed / count  # a layer's, on average
+        miss_s = min(copy_s, dense_s)
+        layer_s = (device_reads * hit * one / profile.gpu_bandwidth + device_reads * (1 - hit) * miss_s
+                   + host_reads * host_expert_s + MOE_LAYER_WAIT_S)
+        link = layers * device_reads * (1 - hit) * stored if copy_s <= dense_s else 0.0
+        if best is None or layers * layer_s < best[1] - 1e-12:
+            best = (share, layers * layer_s, link, slots)
+        if step == 0:
+            none = best
+    return best if best[1] * SHARE_GAIN <= none[1] else none
 
 
 def cpu_decode_tok_s(artifact: Path, profile, context: int, kv_mode: str | None = None, position: int = 0) -> float:

@@ -123,7 +123,7 @@ def plan_backends(recipe: Recipe, store: Store, *, speculative: bool, require_bu
                 if value:
                     warnings.append(f"tier {name}: {field} needs llama-server; it is off for this tier")
             key = (kind, str(path), tier.context, tier.vram, tier.rpc, tier.expert_cache, tier.expert_policy,
-                   tier.expert_prefetch, tier.kv_cache, tier.yarn, tier.speculative if engine_draft else None)
+                   tier.expert_prefetch, tier.expert_cpu_share, tier.kv_cache, tier.yarn, tier.speculative if engine_draft else None)
             spec_args, spec_note = (), "off"
             if engine_draft:
                 spec_note = f"engine draft {tier.speculative.draft_model}, k≤{tier.speculative.draft_max}, tuned"

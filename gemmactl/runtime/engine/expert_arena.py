@@ -21,6 +21,11 @@ link. With prefetch, `ahead` rows (top_k more, taken from the cache's room) rece
 layer's guessed experts while the graph computes, and its misses that were guessed are then
 copied from there within the device.
 
+Experts homed on the host (ExpertStore.set_homes) have no row here: they are computed on the host
+and never copied. A captured step takes their outputs instead: the host writes each into its
+place among the token's k (`host_out_pinned`, flagged in `host_flags_pinned`), one copy of each
+crosses before the next piece, and staged_sum takes a flagged output in place of that staging row.
+
 On a machine without a GPU the arena is off by default (the host stands in for the device, and a
 copy of a row would be the same memory twice); tests turn it on there to check its layout, slots
 and bookkeeping with the host's tensors.
@@ -54,11 +59,11 @@ class ExpertArena:
     """Every expert of a store in pinned host rows in the device layout; device rows for the cache's
     slots, the scratch rows and the staging rows; the copies between them, ordered by events on CUDA."""
 
-    def __init__(self, store, capacity: int, staging: int = 0, ahead: int = 0):
+    def __init__(self, store, capacity: int, staging: int = 0, ahead: int = 0, hidden: int = 0):
         self.store, self.device = store, store.device
         self.cuda = self.device.type == "cuda"
-        keys = sorted(store.records)
-        template = store.linears(keys[0], self.device)
+        keys = sorted(set(store.records) - store.homed)  # a homed expert is never copied
+        template = store.linears(min(store.records), self.device)
         self.layout, self.row_bytes = _layout(template)
         self.template = template
         self.rows = {key: i for i, key in enumerate(keys)}
@@ -66,7 +71,7 @@ class ExpertArena:
         self.chunks = [torch.empty((min(self.per_chunk, len(keys) - start), self.row_bytes), dtype=torch.uint8,
                                    pin_memory=self.cuda) for start in range(0, len(keys), self.per_chunk)]
         for key, row in self.rows.items():  # expert by expert: never the whole model's codes at once
-            self._write(row, template if row == 0 else store.linears(key, self.device))
+            self._write(row, template if key == min(store.records) else store.linears(key, self.device))
         self.capacity, self.staging = capacity, capacity + SCRATCH  # the first staging row
         self.ahead = self.staging + staging  # the first of the rows a captured step's prefetch fills
         self.ahead_count = ahead
@@ -82,6 +87,12 @@ class ExpertArena:
         self.device_rows = [self.on_device[i] for i in range(rows)]
         self.host_rows = [self.host_row(i) for i in range(len(keys))]
         self._scratch = 0
+        self.host_out = self.host_flags = self.host_out_pinned = self.host_flags_pinned = None
+        if store.homed and staging:  # a captured step's outputs of homed experts (module docstring)
+            self.host_out = torch.zeros((staging, hidden), dtype=store.dtype, device=self.device)
+            self.host_flags = torch.zeros(staging, dtype=torch.bool, device=self.device)
+            self.host_out_pinned = torch.zeros((staging, hidden), dtype=store.dtype, pin_memory=self.cuda)
+            self.host_flags_pinned = torch.zeros(staging, dtype=torch.bool, pin_memory=self.cuda)
         if self.cuda:
             torch.cuda.empty_cache()  # the layout work's temporaries: the arena's rows are all it keeps
 
@@ -186,6 +197,13 @@ class ExpertArena:
         with torch.cuda.stream(self.stream):
             for key, row in self.ahead_keys.items():
                 rows[row].copy_(self.host_rows[self.rows[key]], non_blocking=True)
+
+    def send_host_outputs(self) -> None:
+        """Queue the homed experts' outputs and flags to the device, before the next piece (the
+        compute stream). The pinned buffers are written again only at the next MoE layer, after
+        the host has waited for that layer's router, so after these copies ran."""
+        self.host_out.copy_(self.host_out_pinned, non_blocking=True)
+        self.host_flags.copy_(self.host_flags_pinned, non_blocking=True)
 
     def release_staging(self) -> None:
         """Mark the staging rows' readers so far (a captured piece just launched): the next copies

@@ -27,10 +27,14 @@ class ExpertSettings:
     prefetch: bool = True  # copy in the next MoE layer's likely experts (measured to pay on an H200: docs/benchmarks.md)
     arena: bool | None = None  # experts laid out for copying (runtime/engine/expert_arena.py); None: on CUDA
     progress: object | None = None  # callback(done, total bytes) while a first load writes the CPU layouts
+    # The share of each MoE layer's experts computed on the CPU, always (runtime/engine/experts.py,
+    # "homes"); None: the plan's choice, else none. 1.0 is llama.cpp's --n-cpu-moe for every layer.
+    cpu_share: float | None = None
 
     @property
     def is_default(self) -> bool:
-        return self.cache_bytes is None and self.policy == DEFAULT_POLICY and self.miss is None and self.prefetch
+        return (self.cache_bytes is None and self.policy == DEFAULT_POLICY and self.miss is None and self.prefetch
+                and self.cpu_share is None)
 
 
 def parse_expert_cache(value: str | int | None, *, option: str = "--expert-cache") -> int | None:
@@ -42,6 +46,22 @@ def parse_expert_cache(value: str | int | None, *, option: str = "--expert-cache
     if str(value).strip().lower() == "off":
         return 0
     return parse_size(str(value), option=option)
+
+
+def parse_cpu_share(value: str | float | None, *, option: str = "--expert-cpu-share") -> float | None:
+    """'auto'/None → None (the plan's choice), a fraction in [0, 1] → itself."""
+    from gemmactl.errors import InvalidOptionError
+
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise InvalidOptionError(f"{option} {value!r} is not a fraction from 0 to 1",
+                                 hint="Give e.g. 0.5 (half of each MoE layer's experts on the CPU), 0, 1 or auto.")
+    return share
 
 
 def describe_counters(stats: dict) -> str:

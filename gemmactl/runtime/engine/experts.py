@@ -6,6 +6,8 @@ stores them (int4 codes, views of the mapped shards: nothing is read until an ex
 and an `ExpertCache` of a fixed number of slots keeps recently or frequently used ones on the
 device in the kernel's layout. A miss is copied in (evicting by the cache's policy) or computed on
 the host from the stored codes; `MissRule` decides per layer and batch from the machine profile.
+A share of each layer's experts may be homed on the host (`--expert-cpu-share`, the plan's
+choice by default): computed there always, never cached or copied (ExpertStore.set_homes).
 On CUDA the experts are first laid out in the kernel's layout in pinned host memory
 (runtime/engine/expert_arena.py), so a miss is one asynchronous copy overlapped with the compute
 of the experts before it; int4 experts run in tinygemm with their columns padded where needed.
@@ -153,10 +155,11 @@ class MissRule:
     the copy moves the expert's stored bytes over the link once; the host is still priced as it
     used to run, decoding the stored codes into a dense matrix and reading it (its dense bytes
     written and read at the host's memory bandwidth), so a GPU machine copies. The host now runs
-    an expert in torch's CPU int4 kernel (ExpertStore.host_linears, runtime/engine/cpu_kernels.py),
-    reading its stored bytes once its layout is made; pricing that, and splitting a layer's misses
-    between the host and the link, waits for a measurement on a GPU machine. Without a separate
-    device (the host standing in) there is nothing to choose: copy."""
+    an expert in torch's CPU int4 kernel (ExpertStore.host_linears, runtime/engine/cpu_kernels.py);
+    which experts it computes that way is decided once, not per miss (ExpertStore.set_homes: an
+    expert's device never depends on the cache, so neither do the tokens), priced by the plan
+    (plan/engine_map.expert_split). Without a separate device (the host standing in) there is
+    nothing to choose: copy."""
 
     link_bytes_s: float = 0.0  # host → device
     host_bytes_s: float = 0.0  # host memory bandwidth as the host kernel reaches it
@@ -215,6 +218,7 @@ class ExpertStore:
         from gemmactl.runtime.engine.expert_arena import ExpertRows
 
         self.rows = ExpertRows(0)  # the slots' rows on a host standing in for the device (keep(); sized by MoEExperts)
+        self.homed: frozenset = frozenset()  # experts always computed on the host (set_homes)
         self.host_rows = ExpertRows(len(self.records))  # host_linears' rows, one an expert
         self.host_row_of = {key: i for i, key in enumerate(sorted(self.records))}
         self.made = 0  # experts made in the CPU kernel's layout
@@ -223,6 +227,20 @@ class ExpertStore:
 
     def host_bytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.records.values())
+
+    def set_homes(self, share: float) -> None:
+        """Compute `share` of each MoE layer's experts on the host, always: the highest-numbered
+        round(share × its experts). They are never cached or copied, so which device computes an
+        expert does not depend on the cache, and the tokens do not either. Their rows in the CPU
+        kernel's layout come first, so the chunks they fill are the only ones allocated."""
+        homed = set()
+        for layer in sorted({layer for layer, _ in self.records}):
+            experts = sorted(expert for l, expert in self.records if l == layer)
+            count = round(share * len(experts))
+            homed.update((layer, expert) for expert in experts[len(experts) - count:])
+        self.homed = frozenset(homed)
+        order = sorted(self.homed) + sorted(set(self.records) - self.homed)
+        self.host_row_of = {key: i for i, key in enumerate(order)}
 
     def keep(self, slot: int, linears: tuple) -> tuple:
         """linears as the cache's slot keeps them: on a host standing in for the device, with the
@@ -354,7 +372,7 @@ class MoEBlock:
         _, experts = self.route(residual)
         for expert in torch.unique(experts).tolist():
             key = (self.layer, expert)
-            if key in cache.slots:
+            if key in cache.slots or key in store.homed:
                 continue
             slot, _ = cache.admit(key)
             if slot is None:
@@ -372,17 +390,21 @@ class MoEBlock:
         counters = self.counters
         counters.uses += 1
         counters.per_layer_uses[self.layer] = counters.per_layer_uses.get(self.layer, 0) + 1
+        if key in self.store.homed:  # computed on the host, always: the cache never sees it
+            return None
         slot = self.cache.lookup(key)
         if slot is not None and key in self.prefetched:
             self.prefetched.discard(key)
             counters.prefetch_hits += 1
         return slot
 
-    def _on_host(self, x: torch.Tensor) -> bool:
-        """Whether a miss is computed on the host. A layer the plan put on the host computes its
-        experts there too. (Forced, the host path runs on a machine without a GPU as well: the
-        same arithmetic, uncached.)"""
+    def _on_host(self, x: torch.Tensor, key) -> bool:
+        """Whether a miss is computed on the host: an expert homed there (ExpertStore.set_homes),
+        and every expert of a layer the plan put on the host. (Forced, the host path runs on a
+        machine without a GPU as well: the same arithmetic, uncached.)"""
         store = self.store
+        if key in store.homed:
+            return True
         separate = store.device.type != "cpu"
         if separate and x.device.type == "cpu":
             return True
@@ -406,7 +428,7 @@ class MoEBlock:
         for expert in order:  # ascending, as transformers adds them
             key = (self.layer, expert)
             slot = self._lookup(key)
-            if slot is None and self._on_host(x):
+            if slot is None and self._on_host(x, key):
                 sources.append("host")
             elif slot is None:
                 counters.copied += 1
@@ -447,12 +469,15 @@ class MoEBlock:
                 arena.release(source)
         return out
 
-    def stage(self, experts: torch.Tensor, guess: torch.Tensor | None = None) -> list | None:
+    def stage(self, experts: torch.Tensor, guess: torch.Tensor | None = None,
+              x: torch.Tensor | None = None) -> list | None:
         """For one token's step captured in graphs (runtime/engine/graph_moe.py): copy the experts
         the router chose (experts [1, k]) into the arena's staging rows, in ascending order, for
         staged_sum to read. The cache is looked up and filled as combine() does: a hit is copied
         from its slot, a miss crosses the link into its staging row and, where the cache keeps it,
-        on into its slot. Every miss is copied (the captured step has no host compute).
+        on into its slot. An expert homed on the host (ExpertStore.set_homes) is computed there
+        from x [1, H] (the experts' input) while the copies cross, and its output crosses instead,
+        into the arena's host outputs, where staged_sum takes it in place of its staging row.
 
         guess [1, k]: the next MoE layer's experts as guessed in the same piece; returned as a list
         for stage_ahead, read here before the copies are queued (once they are, reading a device
@@ -464,10 +489,20 @@ class MoEBlock:
         counters.tokens += 1
         counters.decode_tokens += 1
         before = counters.copied_bytes
-        moves = []
+        # The homed experts' input, read now: once the copies are queued the compute stream waits
+        # for them, and a read of x behind them would hold the host's work until they all landed.
+        host_x = None
+        if arena.host_out is not None and any((self.layer, expert) in store.homed for expert in order):
+            if x is None:
+                raise ValueError("a staged step with experts homed on the host needs their input x")
+            host_x = x.to("cpu")
+        moves, homed = [], []
         for j, expert in enumerate(order):
             key, row = (self.layer, expert), arena.staging + j
             slot = self._lookup(key)
+            if key in store.homed:
+                homed.append((j, key))
+                continue
             if slot is not None:
                 moves.append((slot, row))
                 continue
@@ -483,7 +518,15 @@ class MoEBlock:
             if slot is not None:
                 moves.append((row, slot))
         counters.decode_bytes += counters.copied_bytes - before
-        arena.move(moves)
+        arena.move(moves)  # first, so the link works while the host computes
+        if arena.host_out is not None:
+            flags = arena.host_flags_pinned
+            flags.zero_()
+            for j, key in homed:
+                counters.host_computed += 1
+                arena.host_out_pinned[j:j + 1].copy_(expert_forward(store.host_linears(key), host_x))
+                flags[j] = True
+            arena.send_host_outputs()
         return guessed
 
     def stage_ahead(self, guess: list) -> None:
@@ -498,7 +541,7 @@ class MoEBlock:
         model (benchmarks/expert_guess.py, docs/benchmarks.md)."""
         store, arena, counters = self.store, self.store.arena, self.counters
         keys = [(self.layer, expert) for expert in sorted(set(guess))]
-        keys = [key for key in keys if key not in self.cache.slots]
+        keys = [key for key in keys if key not in self.cache.slots and key not in store.homed]
         arena.prefetch(keys)
         counters.prefetched += len(arena.ahead_keys)
         counters.copied_bytes += len(arena.ahead_keys) * store.stored_bytes
@@ -513,6 +556,8 @@ class MoEBlock:
         out = torch.zeros_like(x)
         for j in range(self.top_k):
             y = expert_forward(arena.staged(j), x)
+            if arena.host_out is not None:  # the host's output where it computed the j-th expert
+                y = torch.where(arena.host_flags[j], arena.host_out[j:j + 1], y)
             out.add_((y * ranked[:, j:j + 1]).to(out.dtype))
         return out
 
@@ -546,7 +591,7 @@ class MoEBlock:
         slot = self._lookup(key)
         if slot is not None:
             return expert_forward(store.slots[slot], x)
-        if self._on_host(x):
+        if self._on_host(x, key):
             return self._host(key, x)
         linears = store.linears(key, store.device)
         counters.copied += 1
@@ -580,14 +625,17 @@ class MoEExperts:
 
             if cpu_kernels_kept(model.dtype, dense_forced=_dense_forced()):
                 self.store.layouts = open_or_make(artifact, self.store.records, settings.progress)
-        total = len(self.store.records)
+        self.top_k = int(hf_text_config(artifact.config).top_k_experts)
+        if settings.cpu_share:
+            self.store.set_homes(settings.cpu_share)
+            self._make_homes(settings.progress)
+        total = len(self.store.records) - len(self.store.homed)  # the experts the cache may hold
         if settings.cache_bytes is None:
             capacity = total
         else:
             capacity = min(total, settings.cache_bytes // max(self.store.expert_bytes, 1))
         self.cache = ExpertCache(capacity, settings.policy)
         self.store.rows.count = capacity
-        self.top_k = int(hf_text_config(artifact.config).top_k_experts)
         if settings.arena if settings.arena is not None else self.store.device.type == "cuda":
             from gemmactl.runtime.engine.expert_arena import ExpertArena
 
@@ -597,13 +645,23 @@ class MoEExperts:
             capacity = max(0, capacity - ahead)
             self.cache = ExpertCache(capacity, settings.policy)
             self.store.rows.count = capacity
-            self.store.arena = ExpertArena(self.store, capacity, staging=self.top_k, ahead=ahead)
+            self.store.arena = ExpertArena(self.store, capacity, staging=self.top_k, ahead=ahead,
+                                           hidden=model.spec.hidden)
         self.counters = ExpertCounters()
         self.rule = settings.rule if isinstance(settings.rule, MissRule) else MissRule()
         if settings.miss:
             self.rule = MissRule(self.rule.link_bytes_s, self.rule.host_bytes_s, self.rule.host_latency_s, settings.miss)
         self.prefetch, self._prefetched, self.blocks = settings.prefetch, set(), []
         self.eps, self.hidden = model.spec.eps, model.spec.hidden
+
+    def _make_homes(self, progress) -> None:
+        """Every homed expert in the CPU kernel's layout now, not at its first use in a step."""
+        store = self.store
+        homed = sorted(store.homed)
+        for i, key in enumerate(homed):
+            store.host_linears(key)
+            if progress is not None:  # in stored bytes, as the layout file's progress counts
+                progress((i + 1) * store.stored_bytes, len(homed) * store.stored_bytes)
 
     def block(self, layer: int, router: dict) -> MoEBlock:
         """The block of the next MoE layer (layers are built in order)."""
@@ -627,7 +685,7 @@ class MoEExperts:
         from gemmactl.runtime.engine.kernels import Int4GroupsLinear
 
         arena = self.store.arena
-        return (arena is not None and arena.cuda and bool(self.blocks)
+        return (arena is not None and arena.cuda and bool(self.blocks) and not self.store.homed
                 and all(isinstance(linear, Int4GroupsLinear) for linear in arena.template))
 
     def enable_table(self) -> None:

@@ -107,7 +107,7 @@ class PiecewiseDecode:
                     ahead = None
                 if i < len(self.calls):
                     call = self.calls[i]
-                    guessed = call.block.stage(call.experts, call.guess)
+                    guessed = call.block.stage(call.experts, call.guess, call.x)
                     if guessed is not None:
                         ahead = (call.block.next, guessed)
         return self.logits

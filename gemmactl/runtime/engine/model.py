@@ -302,6 +302,8 @@ class GemmaModel:
         settings = settings or ExpertSettings()
         if settings.cache_bytes is None and placed.expert_cache_bytes is not None:
             settings = replace(settings, cache_bytes=placed.expert_cache_bytes)  # auto: the plan's room
+        if settings.cpu_share is None and placed.expert_cpu_share is not None:
+            settings = replace(settings, cpu_share=placed.expert_cpu_share)  # auto: the plan's split
         if settings.rule is None and placed.link_bytes_s and placed.host_bytes_s:
             settings = replace(settings, rule=MissRule(placed.link_bytes_s, placed.host_bytes_s))  # the plan's prices
         return MoEExperts(self, settings)

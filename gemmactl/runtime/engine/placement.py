@@ -33,6 +33,7 @@ class EnginePlacement:
     expert_cache_bytes: int | None = None
     link_bytes_s: float | None = None  # the machine's host → device copy rate (the plan's profile)
     host_bytes_s: float | None = None  # the host's memory bandwidth as its kernels reach it
+    expert_cpu_share: float | None = None  # MoE: the share of each layer's experts computed on the CPU
 
     @classmethod
     def all_resident(cls, n_layers: int, reason: str = "every layer on the device") -> "EnginePlacement":
