@@ -21,6 +21,8 @@ llama-bench with llama.cpp's own fitting (`--fit-target`: the device's memory le
 `--zipf S` skews the engine's routers on purpose (benchmarks/skewed_router.py: Zipf S over each
 layer's experts, synthetic), and `--runs policies` runs the engine once per expert cache policy and
 once with the cache off (hit rate, bytes over the link per token, decode and wall tok/s);
+`--runs shares` runs the engine once per `--shares` value of `--expert-cpu-share` (the share of
+each MoE layer's experts computed on the CPU beside the GPU's cache; "auto" is the plan's);
 `--runs prefetch` runs the engine again without prefetch (`--no-expert-prefetch`), and
 `--runs no-host` runs it again with no layer on the CPU (GEMMACTL_PLAN_HOST_LAYERS=off: the layers
 that do not fit all stream), beside the plan's own split between the link and the CPU.
@@ -150,6 +152,8 @@ def main() -> None:
                              "sweep, fit, policies: see above)")
     parser.add_argument("--policies", help="with --runs policies: which of them, comma-separated (default: "
                                            "lru,lfu,hot,off; off is the cache turned off)")
+    parser.add_argument("--shares", default="0,0.5,1",
+                        help="with --runs shares: --expert-cpu-share values, comma-separated (auto: the plan's)")
     parser.add_argument("--rounds", type=int, default=3, help="with --runs rounds: how many engine/llama-bench pairs")
     parser.add_argument("--zipf", type=float, help="skew the engine's MoE routers: Zipf S over each layer's experts")
     args = parser.parse_args()
@@ -224,6 +228,10 @@ def main() -> None:
         if "off" in wanted:
             result["policies"]["off"] = run_tier("engine", "engine-cache-off", "--expert-cache", "off")
 
+    if "shares" in runs:
+        result["shares"] = {share: run_tier("engine", f"engine-share-{share}", "--expert-cpu-share", share)
+                            for share in args.shares.split(",")}
+
     if "bench" in runs:
         bench(args, vram, result)
     if "rounds" in runs:
@@ -248,19 +256,24 @@ def main() -> None:
         print(rounds_table(result["rounds"]))
     if result.get("policies"):
         print(policy_table(result))
+    if result.get("shares"):
+        print(policy_table(result, "shares", "CPU share"))
 
 
-def policy_table(r: dict) -> str:
-    """One row per expert cache policy (and the cache off): what the cache did and what it bought."""
-    rows = [f"| policy ({r['router']}) | cached experts | hit rate | link MB per decoded token | decode tok/s | wall tok/s | "
-            f"peak MiB (cap {r['cap_mib']}) |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name, row in r["policies"].items():
+def policy_table(r: dict, key: str = "policies", label: str = "policy") -> str:
+    """One row per expert cache policy (and the cache off), or per CPU share: what the cache did,
+    the share of expert uses computed on the CPU, and what it bought."""
+    rows = [f"| {label} ({r['router']}) | cached experts | hit rate | on the CPU | link MB per decoded token | "
+            f"decode tok/s | wall tok/s | TTFT s | peak MiB (cap {r['cap_mib']}) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, row in r[key].items():
         experts = ((row.get("engine") or {}).get("experts")) or {}
         link = experts.get("link_bytes_per_decode_token", experts.get("link_bytes_per_token"))
         rows.append(f"| {name} | {experts.get('capacity_experts', '-')} | "
                     f"{'-' if experts.get('hit_rate') is None else format(experts['hit_rate'], '.1%')} | "
+                    f"{'-' if experts.get('host_share') is None else format(experts['host_share'], '.0%')} | "
                     f"{'-' if link is None else format(link / 1e6, '.1f')} | {_num(row.get('decode_tok_s'))} | "
-                    f"{_num(row.get('wall_tok_s'))} | {row.get('peak_mib')} |")
+                    f"{_num(row.get('wall_tok_s'))} | {_num(row.get('ttft_s'))} | {row.get('peak_mib')} |")
     return "\n".join(rows)
 
 
