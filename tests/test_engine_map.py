@@ -340,6 +340,7 @@ def test_the_plan_homes_experts_on_the_cpu_only_where_the_link_is_slow(moe_artif
     from gemmactl.plan import engine_map
     from gemmactl.plan.auto import placement_of
     from gemmactl.plan.engine_map import SHARE_GAIN, expert_split
+    from gemmactl.runtime.engine.expert_settings import ExpertSettings
     from gemmactl.runtime.engine.model import GemmaModel
 
     shape = dict(count=3840, layers=30, top_k=8, room=315, one=3345408, stored=3345408, dense=11894784)
@@ -363,13 +364,19 @@ def test_the_plan_homes_experts_on_the_cpu_only_where_the_link_is_slow(moe_artif
     assert chosen.expert_cpu_share == 0.5 and chosen.to_dict()["experts"]["cpu_share"] == 0.5
     assert "50% of each MoE layer's computed on the CPU" in chosen.reason
     placement = placement_of(chosen, PROFILE)
-    assert placement.expert_cpu_share == 0.5
-    engine = GemmaModel(open_artifact(moe_artifact), device="cpu", dtype=torch.float32, context=64,
-                        placement=placement)
+    assert placement.expert_cpu_share == 0.5 and placement.expert_cache_bytes == chosen.expert_room_bytes
+    assert chosen.expert_room_bytes == 96 * chosen.expert_bytes > chosen.expert_cache_bytes
+    art = open_artifact(moe_artifact)
+    engine = GemmaModel(art, device="cpu", dtype=torch.float32, context=64, placement=placement)
     store = engine.experts.store
     layers = {layer for layer, _ in store.records}
     assert len(store.homed) == len(store.records) // 2 and {layer for layer, _ in store.homed} == layers
-    assert engine.experts.cache.capacity == min(48, chosen.expert_cache_bytes // store.expert_bytes)
+    room = placement.expert_cache_bytes // store.expert_bytes  # in this device's expert size
+    assert engine.experts.cache.capacity == min(48, room)  # at most every expert not homed
+    # Asked for none homed, the cache takes the room the plan's homed experts left.
+    unhomed = GemmaModel(art, device="cpu", dtype=torch.float32, context=64, placement=placement,
+                         experts=ExpertSettings(cpu_share=0.0))
+    assert not unhomed.experts.store.homed and unhomed.experts.cache.capacity == min(96, room)
 
 
 def test_moe_under_the_plans_placement_decodes_the_same_tokens(moe_artifact):

@@ -467,7 +467,7 @@ def test_expert_cache_fields():
     shares = parse_recipe("tiers:\n  deep:\n    model: a\n    expert_cpu_share: 0.25\n  fast:\n    model: a\n"
                           "    expert_cpu_share: auto\n  other:\n    model: a\n")
     assert [shares.tiers[name].expert_cpu_share for name in ("deep", "fast", "other")] == [0.25, None, None]
-    for bad in ("1.5", "half", "-0.1"):
+    for bad in ("1.5", "half", "-0.1", "true", "[1]"):
         with pytest.raises(RecipeError, match=r"tiers\.deep\.expert_cpu_share must be a fraction from 0 to 1 or auto"):
             parse_recipe(f"tiers:\n  deep:\n    model: a\n    expert_cpu_share: {bad}\n")
 

@@ -199,7 +199,8 @@ def placement_of(chosen, profile):
     """An engine map (plan/engine_map.EngineMap) as the placement the engine loads."""
     from gemmactl.runtime.engine.placement import EnginePlacement
 
-    return EnginePlacement(chosen.layers, chosen.tables_on_host, chosen.reason, chosen.expert_cache_bytes,
+    room = chosen.expert_room_bytes if chosen.expert_room_bytes is not None else chosen.expert_cache_bytes
+    return EnginePlacement(chosen.layers, chosen.tables_on_host, chosen.reason, room,
                            link_bytes_s=profile.host_to_device, host_bytes_s=profile.cpu_bandwidth,
                            expert_cpu_share=chosen.expert_cpu_share if chosen.experts else None)
 

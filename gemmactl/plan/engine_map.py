@@ -66,9 +66,9 @@ MOE_LAYER_WAIT_S = 0.63e-3
 # activation and copies around them on the host and the staging row the captured piece computes
 # for nothing. Fitted on an H100 machine (16 cores; 26B-A4B shape, 4 GiB, uniform router): a homed
 # expert cost the step 143-148 µs at shares 0.5 to 0.75, counting back the link time it saved at
-# 55 GB/s, where its products alone took 57 (docs/benchmarks.md; another machine's slower host: 238
-# at 0.25). Priced so, the steps the map predicts grow as the measured ones did: a layer pays its
-# host's work and its copies one after the other, not the longer of the two.
+# 55 GB/s, where its products alone took 57 in the step's profile (docs/benchmarks.md). Priced so,
+# the steps the map predicts grow as the measured ones did: a layer pays its host's work and its
+# copies one after the other, not the longer of the two.
 EXPERT_HOST_S = 90e-6
 SHARE_STEPS = 16  # the plan tries the shares 0, 1/16, ..., 1 of each layer's experts on the CPU
 SHARE_GAIN = 1.05  # ... and homes experts only where that predicts at least this much more than none
@@ -115,7 +115,8 @@ class EngineMap:
     decode_tok_s: float = 0.0
     minimum_vram_bytes: int = 0
     reason: str = ""
-    expert_cache_bytes: int | None = None  # MoE models: device room for cached experts
+    expert_cache_bytes: int | None = None  # MoE models: device bytes of the experts cached at the map's share
+    expert_room_bytes: int | None = None  # ... and the room for cached experts at any share (what the engine gets)
     expert_bytes: int = 0  # one expert in the device layout
     experts: int = 0  # experts in the model (every MoE layer)
     expert_cpu_share: float = 0.0  # the share of each MoE layer's experts computed on the CPU, always
@@ -620,6 +621,9 @@ def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, to
     share, per_token, link, slots = expert_split(len(experts), layers, top_k, room // one, one, stored, dense, profile)
     chosen.gpu_bytes["experts"] = slots * one
     chosen.expert_cache_bytes, chosen.expert_cpu_share = slots * one, share
+    # The engine is handed the room, not the map's slots: run with fewer experts homed than the map
+    # chose (--expert-cpu-share 0), the cache may take the room the homed experts left.
+    chosen.expert_room_bytes = min(len(experts), room // one) * one
     chosen.decode_tok_s = 1.0 / (1.0 / chosen.decode_tok_s + per_token)
     chosen.link_bytes_per_token += round(link)
     chosen.reason += f"; {slots} of {len(experts)} experts cached on the GPU"
@@ -637,8 +641,9 @@ def expert_split(count: int, layers: int, top_k: int, room: int, one: int, store
     overlapped with them); hits are read at GPU bandwidth, the cache holding only experts not
     homed (its hit rate their cached share, routing spread evenly); each MoE layer waits for the
     host once (MOE_LAYER_WAIT_S). Homes pay where the link is slow against the host's kernels
-    (a PCIe 3.0 desktop), not where it is as fast (an H100 machine's 55 GB/s). Without a GPU of
-    its own (no link) nothing is homed."""
+    (a PCIe x4 link beside a desktop's cores), not where it is about as fast (an H100 machine's
+    55 GB/s, or the desktop-4g profile's PCIe 3.0 x16). Without a GPU of its own (no link) nothing
+    is homed."""
     copy_s, dense_s = stored / profile.host_to_device, 2 * dense / profile.cpu_bandwidth
     host_expert_s = stored / profile.host_kernel_bandwidth + EXPERT_HOST_S
     best = None

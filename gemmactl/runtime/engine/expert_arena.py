@@ -198,11 +198,13 @@ class ExpertArena:
             for key, row in self.ahead_keys.items():
                 rows[row].copy_(self.host_rows[self.rows[key]], non_blocking=True)
 
-    def send_host_outputs(self) -> None:
-        """Queue the homed experts' outputs and flags to the device, before the next piece (the
-        compute stream). The pinned buffers are written again only at the next MoE layer, after
-        the host has waited for that layer's router, so after these copies ran."""
-        self.host_out.copy_(self.host_out_pinned, non_blocking=True)
+    def send_host_outputs(self, outputs: bool = True) -> None:
+        """Queue the flags and (outputs: some expert was homed) the homed experts' outputs to the
+        device, before the next piece (the compute stream); an output whose flag is off is never
+        read. The pinned buffers are written again only at the next MoE layer, after the host has
+        waited for that layer's router, so after these copies ran."""
+        if outputs:
+            self.host_out.copy_(self.host_out_pinned, non_blocking=True)
         self.host_flags.copy_(self.host_flags_pinned, non_blocking=True)
 
     def release_staging(self) -> None:

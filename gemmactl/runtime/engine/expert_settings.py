@@ -54,9 +54,9 @@ def parse_cpu_share(value: str | float | None, *, option: str = "--expert-cpu-sh
 
     if value is None or str(value).strip().lower() == "auto":
         return None
-    try:
-        share = float(value)
-    except ValueError:
+    try:  # a YAML true or a list is not a fraction, whatever float() makes of it
+        share = -1.0 if isinstance(value, bool) or not isinstance(value, (str, int, float)) else float(value)
+    except (TypeError, ValueError):
         share = -1.0
     if not 0.0 <= share <= 1.0:
         raise InvalidOptionError(f"{option} {value!r} is not a fraction from 0 to 1",

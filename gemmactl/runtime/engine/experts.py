@@ -155,10 +155,10 @@ class MissRule:
     the copy moves the expert's stored bytes over the link once; the host is still priced as it
     used to run, decoding the stored codes into a dense matrix and reading it (its dense bytes
     written and read at the host's memory bandwidth), so a GPU machine copies. The host now runs
-    an expert in torch's CPU int4 kernel (ExpertStore.host_linears, runtime/engine/cpu_kernels.py);
-    which experts it computes that way is decided once, not per miss (ExpertStore.set_homes: an
-    expert's device never depends on the cache, so neither do the tokens), priced by the plan
-    (plan/engine_map.expert_split). Without a separate device (the host standing in) there is
+    an expert in torch's CPU int4 kernel (ExpertStore.host_linears, runtime/engine/cpu_kernels.py),
+    and the experts it always computes are chosen once, apart from this rule (ExpertStore.set_homes:
+    an expert's device then never depends on the cache, so neither do the tokens), priced by the
+    plan (plan/engine_map.expert_split). Without a separate device (the host standing in) there is
     nothing to choose: copy."""
 
     link_bytes_s: float = 0.0  # host → device
@@ -526,7 +526,7 @@ class MoEBlock:
                 counters.host_computed += 1
                 arena.host_out_pinned[j:j + 1].copy_(expert_forward(store.host_linears(key), host_x))
                 flags[j] = True
-            arena.send_host_outputs()
+            arena.send_host_outputs(bool(homed))
         return guessed
 
     def stage_ahead(self, guess: list) -> None:
