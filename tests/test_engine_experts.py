@@ -397,6 +397,24 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
         assert (stepped[1] - stepped[0]).abs().max() <= 1e-2 * stepped[0].abs().max(), (slots, policy)
 
 
+def test_tokens_are_grouped_per_expert_in_transformers_order_from_one_read():
+    """_token_groups: each expert's tokens by slot, then token, as taking them one expert at a time
+    on the device gives them (torch.where, then by slot·T + token), for every expert chosen,
+    ascending."""
+    from gemmactl.runtime.engine.experts import _token_groups
+
+    generator = torch.Generator().manual_seed(3)
+    for tokens, k, count in ((1, 2, 8), (7, 2, 8), (64, 8, 128), (300, 4, 16)):
+        experts = torch.stack([torch.randperm(count, generator=generator)[:k] for _ in range(tokens)])
+        groups = _token_groups(experts)
+        assert [expert for expert, _, _ in groups] == torch.unique(experts).tolist()
+        for expert, positions, slots in groups:
+            where_positions, where_slots = torch.where(experts == expert)
+            order = torch.argsort(where_slots * tokens + where_positions)
+            assert torch.equal(positions, where_positions[order]) and torch.equal(slots, where_slots[order])
+            assert positions.dtype == slots.dtype == torch.int64
+
+
 def test_lru_evicts_the_least_recently_used():
     cache = ExpertCache(2, "lru")
     for key in ("a", "b"):

@@ -296,12 +296,25 @@ def expert_forward(linears: tuple, x: torch.Tensor) -> torch.Tensor:
     return down(F.gelu(gate, approximate="tanh") * up)
 
 
-def _tokens_of(experts: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions, top-k slots) of the tokens routed to expert, in transformers' order: by slot,
-    then token."""
-    positions, slots = torch.where(experts == expert)  # token-major
-    order = torch.argsort(slots * experts.shape[0] + positions)
-    return positions[order], slots[order]
+def _token_groups(experts: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """[(expert, positions, top-k slots)] for every expert the tokens chose, ascending, each
+    expert's tokens in transformers' order (by slot, then token), from one read of the router's
+    choice (experts [T, k]) and one copy of the groups back to its device. Found an expert at a
+    time on the device (torch.where(experts == expert)), each would wait for the GPU, so the host
+    could not queue the next expert's copy and compute while this one's ran."""
+    tokens, k = experts.shape
+    chosen = experts.to("cpu").reshape(-1)  # token-major: entry t·k + s
+    positions = torch.arange(tokens).repeat_interleave(k)
+    slots = torch.arange(k).repeat(tokens)
+    order = torch.argsort(chosen * (tokens * k) + slots * tokens + positions)  # every key distinct
+    ranked = chosen[order]
+    names, counts = torch.unique_consecutive(ranked, return_counts=True)
+    both = torch.stack([positions[order], slots[order]]).to(experts.device)  # [2, T·k]
+    groups, start = [], 0
+    for expert, count in zip(names.tolist(), counts.tolist()):
+        groups.append((expert, both[0, start:start + count], both[1, start:start + count]))
+        start += count
+    return groups
 
 
 class MoEBlock:
@@ -355,8 +368,7 @@ class MoEBlock:
             if self.prefetch and self.next is not None:
                 self.next.fetch_ahead(residual)
             return out
-        for expert in torch.unique(experts).tolist():  # ascending, as transformers adds them
-            positions, slots = _tokens_of(experts, expert)
+        for expert, positions, slots in _token_groups(experts):  # ascending, as transformers adds them
             y = self._run((self.layer, expert), x[positions])
             y = y * weights[positions, slots, None]
             out.index_add_(0, positions, y.to(out.dtype))
@@ -423,7 +435,8 @@ class MoEBlock:
         store, cache, counters, arena = self.store, self.cache, self.counters, self.store.arena
         tokens = x.shape[0]
         picked = experts[0].tolist() if tokens == 1 else None  # one token: one sync, no grouping
-        order = sorted(set(picked)) if picked is not None else torch.unique(experts).tolist()
+        groups = _token_groups(experts) if picked is None else None  # several: one sync for all
+        order = sorted(set(picked)) if picked is not None else [expert for expert, _, _ in groups]
         sources, held = [], {(self.layer, expert) for expert in order}  # none evicted while the layer runs
         for expert in order:  # ascending, as transformers adds them
             key = (self.layer, expert)
@@ -461,7 +474,7 @@ class MoEBlock:
                 slot_of = picked.index(expert)
                 out.add_((y * weights[:, slot_of:slot_of + 1]).to(out.dtype))
             else:
-                positions, slots = _tokens_of(experts, expert)
+                _, positions, slots = groups[i]
                 y = self._host(key, x[positions]) if source == "host" else expert_forward(arena.linears(source),
                                                                                           x[positions])
                 out.index_add_(0, positions, (y * weights[positions, slots, None]).to(out.dtype))
