@@ -36,6 +36,21 @@ def _engine(artifact, settings=None):
     return GemmaModel(artifact, device="cpu", dtype=torch.float32, context=64, experts=settings)
 
 
+def _decode(engine, experts_of=None) -> tuple[list, torch.Tensor]:
+    """Greedy tokens and every decode step's logits, each step's experts summed by experts_of
+    (an ExpertCall → the experts' sum; None: the block's own combine)."""
+    logits_seen = []
+
+    def decoder(token, position):
+        x, per_layer = engine.embed_tokens(token)
+        logits = engine.forward(x, per_layer, torch.tensor([position]), position + 1, experts_of=experts_of)
+        logits_seen.append(logits.clone())
+        return logits
+
+    tokens, _ = engine_greedy(engine, PROMPT, STEPS, chunk=3, decoder=decoder)
+    return tokens, torch.stack(logits_seen)
+
+
 def test_every_cache_size_policy_and_miss_path_gives_the_same_tokens_and_logits(moe_artifact, monkeypatch):
     """Room for every expert, for a few, for none (the cache off), each policy, misses copied in or
     computed on the host, with and without prefetch: token for token and bit for bit what the
@@ -146,21 +161,11 @@ def test_a_step_staged_for_capture_gives_the_tokens_logits_and_counts_of_the_eag
     monkeypatch.setattr(experts_module, "AGE_EVERY", 7)
 
     def decode(engine, staged: bool):
-        logits_seen = []
-
         def experts_of(call):
             call.block.stage(call.experts)
             return call.block.staged_sum(call.x, call.weights, call.experts)
 
-        def decoder(token, position):
-            x, per_layer = engine.embed_tokens(token)
-            logits = engine.forward(x, per_layer, torch.tensor([position]), position + 1,
-                                    experts_of=experts_of if staged else None)
-            logits_seen.append(logits.clone())
-            return logits
-
-        tokens, _ = engine_greedy(engine, PROMPT, STEPS, chunk=3, decoder=decoder)
-        return tokens, torch.stack(logits_seen), engine.experts.stats()
+        return (*_decode(engine, experts_of if staged else None), engine.experts.stats())
 
     store = _engine(moe_artifact).experts.store
     room = len(store.records) // 4 if slots == "quarter" else slots
@@ -195,8 +200,6 @@ def test_a_staged_step_with_prefetch_takes_guessed_misses_from_the_ahead_rows_an
                                                       miss="copy", prefetch=prefetch, arena=True))
         for block in engine.experts.blocks:
             block.prefetch = False  # the prompt's eager steps alike in both (no copies into the cache ahead)
-        logits_seen = []
-
         def experts_of(call):
             block = call.block
             guess = block.next.route(call.residual)[1] if prefetch and block.next is not None else None
@@ -205,15 +208,8 @@ def test_a_staged_step_with_prefetch_takes_guessed_misses_from_the_ahead_rows_an
                 block.next.stage_ahead(guessed)
             return block.staged_sum(call.x, call.weights, call.experts)
 
-        def decoder(token, position):
-            x, per_layer = engine.embed_tokens(token)
-            logits = engine.forward(x, per_layer, torch.tensor([position]), position + 1, experts_of=experts_of)
-            logits_seen.append(logits.clone())
-            return logits
-
-        tokens, _ = engine_greedy(engine, PROMPT, STEPS, chunk=3, decoder=decoder)
-        stats = engine.experts.stats()
-        return tokens, torch.stack(logits_seen), {**stats, "decode_bytes": engine.experts.counters.decode_bytes}
+        tokens, logits = _decode(engine, experts_of)
+        return tokens, logits, {**engine.experts.stats(), "decode_bytes": engine.experts.counters.decode_bytes}
 
     (tokens, logits, stats), (ahead_tokens, ahead_logits, ahead_stats) = decode(False), decode(True)
     assert ahead_tokens == tokens
@@ -249,8 +245,6 @@ def test_experts_homed_on_the_host_give_the_same_tokens_whatever_the_cache_and_s
     assert not set(store.arena.rows) & store.homed
 
     def decode(engine, staged: bool, prefetch: bool):
-        logits_seen = []
-
         def experts_of(call):
             block = call.block
             guess = block.next.route(call.residual)[1] if prefetch and block.next is not None else None
@@ -259,15 +253,7 @@ def test_experts_homed_on_the_host_give_the_same_tokens_whatever_the_cache_and_s
                 block.next.stage_ahead(guessed)
             return block.staged_sum(call.x, call.weights, call.experts)
 
-        def decoder(token, position):
-            x, per_layer_rows = engine.embed_tokens(token)
-            logits = engine.forward(x, per_layer_rows, torch.tensor([position]), position + 1,
-                                    experts_of=experts_of if staged else None)
-            logits_seen.append(logits.clone())
-            return logits
-
-        tokens, _ = engine_greedy(engine, PROMPT, STEPS, chunk=3, decoder=decoder)
-        return tokens, torch.stack(logits_seen), engine.experts.stats()
+        return (*_decode(engine, experts_of if staged else None), engine.experts.stats())
 
     _, reference_logits, _ = decode(_engine(moe_artifact, ExpertSettings(cpu_share=share, arena=True,
                                                                           prefetch=False)), False, False)
