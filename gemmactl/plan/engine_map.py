@@ -606,8 +606,8 @@ def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, to
     experts (real routing is skewed: a measured hit rate is higher). A token reads top_k experts
     in each MoE layer: from the cache at GPU bandwidth, or on a miss copied over the link or
     computed on the CPU, whichever is cheaper (runtime/engine/experts.MissRule); a share of each
-    layer's experts may be homed on the CPU, computed there beside the link's copies (expert_split
-    picks it); and each MoE layer waits for the host once (MOE_LAYER_WAIT_S).
+    layer's experts may be homed on the CPU, computed there, in series with the link's copies
+    (expert_split picks it); and each MoE layer waits for the host once (MOE_LAYER_WAIT_S).
     """
     if not experts:
         return chosen
