@@ -63,7 +63,8 @@ class ExpertArena:
         self.store, self.device = store, store.device
         self.cuda = self.device.type == "cuda"
         keys = sorted(set(store.records) - store.homed)  # a homed expert is never copied
-        template = store.linears(min(store.records), self.device)
+        first = min(store.records)
+        template = store.linears(first, self.device)
         self.layout, self.row_bytes = _layout(template)
         self.template = template
         self.rows = {key: i for i, key in enumerate(keys)}
@@ -71,7 +72,7 @@ class ExpertArena:
         self.chunks = [torch.empty((min(self.per_chunk, len(keys) - start), self.row_bytes), dtype=torch.uint8,
                                    pin_memory=self.cuda) for start in range(0, len(keys), self.per_chunk)]
         for key, row in self.rows.items():  # expert by expert: never the whole model's codes at once
-            self._write(row, template if key == min(store.records) else store.linears(key, self.device))
+            self._write(row, template if key == first else store.linears(key, self.device))
         self.capacity, self.staging = capacity, capacity + SCRATCH  # the first staging row
         self.ahead = self.staging + staging  # the first of the rows a captured step's prefetch fills
         self.ahead_count = ahead

@@ -502,13 +502,6 @@ class MoEBlock:
         counters.tokens += 1
         counters.decode_tokens += 1
         before = counters.copied_bytes
-        # The homed experts' input, read now: once the copies are queued the compute stream waits
-        # for them, and a read of x behind them would hold the host's work until they all landed.
-        host_x = None
-        if arena.host_out is not None and any((self.layer, expert) in store.homed for expert in order):
-            if x is None:
-                raise ValueError("a staged step with experts homed on the host needs their input x")
-            host_x = x.to("cpu")
         moves, homed = [], []
         for j, expert in enumerate(order):
             key, row = (self.layer, expert), arena.staging + j
@@ -531,6 +524,13 @@ class MoEBlock:
             if slot is not None:
                 moves.append((row, slot))
         counters.decode_bytes += counters.copied_bytes - before
+        # The homed experts' input, read before the copies are queued: the compute stream then
+        # waits for them, and a read of x behind them would hold the host's work until they landed.
+        host_x = None
+        if homed:
+            if x is None:
+                raise ValueError("a staged step with experts homed on the host needs their input x")
+            host_x = x.to("cpu")
         arena.move(moves)  # first, so the link works while the host computes
         if arena.host_out is not None:
             flags = arena.host_flags_pinned
