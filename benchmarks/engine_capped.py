@@ -23,6 +23,8 @@ layer's experts, synthetic), and `--runs policies` runs the engine once per expe
 once with the cache off (hit rate, bytes over the link per token, decode and wall tok/s);
 `--runs shares` runs the engine once per `--shares` value of `--expert-cpu-share` (the share of
 each MoE layer's experts computed on the CPU beside the GPU's cache; "auto" is the plan's);
+`--runs modes` runs it once per `--modes` value of GEMMACTL_ENGINE_MOE (pieces: the captured step
+reading each expert in its row, the default; copies: every expert copied into staging rows);
 `--runs prefetch` runs the engine again without prefetch (`--no-expert-prefetch`), and
 `--runs no-host` runs it again with no layer on the CPU (GEMMACTL_PLAN_HOST_LAYERS=off: the layers
 that do not fit all stream), beside the plan's own split between the link and the CPU.
@@ -154,6 +156,10 @@ def main() -> None:
                                            "lru,lfu,hot,off; off is the cache turned off)")
     parser.add_argument("--shares", default="0,0.5,1",
                         help="with --runs shares: --expert-cpu-share values, comma-separated (auto: the plan's)")
+    parser.add_argument("--modes", default="pieces,copies",
+                        help="with --runs modes: GEMMACTL_ENGINE_MOE values, comma-separated (pieces: the captured "
+                             "step reading each expert in its row; copies: every expert copied into staging rows; "
+                             "table: one graph)")
     parser.add_argument("--rounds", type=int, default=3, help="with --runs rounds: how many engine/llama-bench pairs")
     parser.add_argument("--zipf", type=float, help="skew the engine's MoE routers: Zipf S over each layer's experts")
     args = parser.parse_args()
@@ -232,6 +238,12 @@ def main() -> None:
         result["shares"] = {share: run_tier("engine", f"engine-share-{share}", "--expert-cpu-share", share)
                             for share in args.shares.split(",")}
 
+    if "modes" in runs:
+        from gemmactl.runtime.engine.graph import MOE_ENV
+
+        result["modes"] = {mode: run_tier("engine", f"engine-moe-{mode}", env={MOE_ENV: mode})
+                           for mode in args.modes.split(",")}
+
     if "bench" in runs:
         bench(args, vram, result)
     if "rounds" in runs:
@@ -258,6 +270,8 @@ def main() -> None:
         print(policy_table(result))
     if result.get("shares"):
         print(policy_table(result, "shares", "CPU share"))
+    if result.get("modes"):
+        print(policy_table(result, "modes", "MoE step"))
 
 
 def policy_table(r: dict, key: str = "policies", label: str = "policy") -> str:

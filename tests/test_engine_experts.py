@@ -151,18 +151,40 @@ def test_gpu_experts_from_the_arena_decode_like_without(moe_artifact):
         assert (logits.float() - expected_logits.float()).abs().max() <= 1e-2 * expected_logits.float().abs().max()
 
 
+def _staged_engine(artifact, settings, addressed: bool):
+    engine = _engine(artifact, settings)
+    engine.experts.store.arena.addressed = addressed  # as graph_moe.PiecewiseDecode sets it at capture
+    return engine
+
+
+@pytest.mark.parametrize("addressed", [True, False], ids=["addressed", "copies"])
 @pytest.mark.parametrize("policy, slots", [("lfu", 0), ("lru", 1), ("lfu", 3), ("hot", "quarter")])
 def test_a_step_staged_for_capture_gives_the_tokens_logits_and_counts_of_the_eager_one(moe_artifact, monkeypatch,
-                                                                                      policy, slots):
+                                                                                      policy, slots, addressed):
     """What a captured MoE step runs (graph_moe.py), here eagerly with the host's tensors: each
-    layer's chosen experts copied into the arena's staging rows (stage) and summed from there
-    (staged_sum, with no host decision in it). Every decode step's logits bit for bit those of
-    combine() on an engine with the same cache, and the same hits, misses and copies."""
+    layer's chosen experts read in their rows, the misses copied into theirs (addressed), or every
+    one copied into the arena's staging rows (copies), by stage; summed from there by staged_sum,
+    with no host decision in it. Every decode step's logits bit for bit those of combine() on an
+    engine with the same cache, and the same hits, misses and copies."""
     monkeypatch.setattr(experts_module, "AGE_EVERY", 7)
 
+    copies = {"made": 0, "misses": 0, "lookups": 0}  # over the staged steps
+
     def decode(engine, staged: bool):
+        arena, cache = engine.experts.store.arena, engine.experts.cache
+        move = arena.move
+
+        def counted(moves, *rest):
+            copies["made"] += len(moves)
+            move(moves, *rest)
+
+        arena.move = counted
+
         def experts_of(call):
+            misses, lookups = cache.misses, cache.lookups
             call.block.stage(call.experts)
+            copies["misses"] += cache.misses - misses
+            copies["lookups"] += cache.lookups - lookups
             return call.block.staged_sum(call.x, call.weights, call.experts)
 
         return (*_decode(engine, experts_of if staged else None), engine.experts.stats())
@@ -171,18 +193,21 @@ def test_a_step_staged_for_capture_gives_the_tokens_logits_and_counts_of_the_eag
     room = len(store.records) // 4 if slots == "quarter" else slots
     settings = ExpertSettings(cache_bytes=room * store.expert_bytes, policy=policy, miss="copy", arena=True,
                               prefetch=False)
-    runs = [decode(_engine(moe_artifact, settings), staged) for staged in (False, True)]
+    runs = [decode(_staged_engine(moe_artifact, settings, addressed), staged) for staged in (False, True)]
     (tokens, logits, stats), (staged_tokens, staged_logits, staged_stats) = runs
     assert staged_tokens == tokens
     assert torch.equal(staged_logits, logits)
     for key in ("hits", "misses", "copied", "capacity_experts"):
         assert staged_stats[key] == stats[key], key
     assert staged_stats["misses"] > 0 and (slots != "quarter" or staged_stats["hits"] > 0)
+    # Addressed, a miss is one copy and a hit none; copied, every expert at least one.
+    assert copies["made"] == copies["misses"] if addressed else copies["made"] >= copies["lookups"]
 
 
+@pytest.mark.parametrize("addressed", [True, False], ids=["addressed", "copies"])
 @pytest.mark.parametrize("policy, slots", [("lfu", 0), ("lru", 1), ("lfu", "half"), ("hot", "half")])
 def test_a_staged_step_with_prefetch_takes_guessed_misses_from_the_ahead_rows_and_changes_nothing_else(
-        moe_artifact, monkeypatch, policy, slots):
+        moe_artifact, monkeypatch, policy, slots, addressed):
     """Prefetch in a captured step (graph_moe.py, here eagerly with the host's tensors): after each
     layer's stage, the next layer's router applied to this layer's residual stream picks experts
     that are copied into the arena's ahead rows, and the next layer's misses among them come from
@@ -196,8 +221,8 @@ def test_a_staged_step_with_prefetch_takes_guessed_misses_from_the_ahead_rows_an
 
     def decode(prefetch: bool):
         cache = room if prefetch else max(0, room - top_k)  # the ahead rows come out of the cache's room
-        engine = _engine(moe_artifact, ExpertSettings(cache_bytes=cache * store.expert_bytes, policy=policy,
-                                                      miss="copy", prefetch=prefetch, arena=True))
+        engine = _staged_engine(moe_artifact, ExpertSettings(cache_bytes=cache * store.expert_bytes, policy=policy,
+                                                             miss="copy", prefetch=prefetch, arena=True), addressed)
         for block in engine.experts.blocks:
             block.prefetch = False  # the prompt's eager steps alike in both (no copies into the cache ahead)
         def experts_of(call):
@@ -260,15 +285,15 @@ def test_experts_homed_on_the_host_give_the_same_tokens_whatever_the_cache_and_s
     for policy, slots, prefetch in (("lfu", 0, False), ("lru", 1, False), ("lfu", "half", True),
                                     ("hot", "half", False)):
         room = total // 2 if slots == "half" else slots
-        for staged in (False, True):
+        for staged, addressed in ((False, False), (True, True), (True, False)):
             settings = ExpertSettings(cache_bytes=room * store.expert_bytes, policy=policy, cpu_share=share,
                                       arena=True, prefetch=prefetch)
-            engine = _engine(moe_artifact, settings)
+            engine = _staged_engine(moe_artifact, settings, addressed)
             if not staged:
                 for block in engine.experts.blocks:
                     block.prefetch = False  # eager prefetch copies into the cache: its hits differ
             tokens, logits, stats = decode(engine, staged, prefetch and staged)
-            label = (policy, slots, prefetch, staged)
+            label = (policy, slots, prefetch, staged, addressed)
             assert tokens == expected_tokens, label
             assert torch.equal(logits, reference_logits), label
             assert stats["hits"] + stats["misses"] == engine.experts.cache.lookups, label
@@ -323,10 +348,11 @@ def test_an_moe_step_is_captured_in_pieces_on_cuda_unless_turned_off(monkeypatch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["table", "pieces", "pieces-prefetch", "pieces-homed"])
+@pytest.mark.parametrize("mode", ["table", "pieces", "pieces-prefetch", "pieces-homed", "copies", "copies-prefetch"])
 def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mode):
-    """On CUDA: (pieces, the default) graphs cut after each MoE layer's router, the chosen experts
-    copied into staging rows between replays; or (table, asked for) the whole step in one graph,
+    """On CUDA: (pieces, the default) graphs cut after each MoE layer's router, the misses copied
+    into their rows between replays and each chosen expert read in its row (copies: every chosen
+    expert copied into staging rows instead); or (table, asked for) the whole step in one graph,
     each chosen expert read where a device table says it lies (a cache slot, or its pinned host row
     over the link), the cache kept by the host after each token (graph_moe.TableDecode). The
     tokens of the eager step with the cache whole, small and off, under each policy, and logits
@@ -342,7 +368,7 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
     if mode == "table" and not int4_groups_kept(expert=True):
         pytest.skip("the table step needs the experts in the Triton kernels' layout (Triton missing)")
     monkeypatch.setenv("GEMMACTL_ENGINE_GRAPH", "auto")
-    prefetch = mode in ("pieces-prefetch", "pieces-homed")
+    prefetch = mode in ("pieces-prefetch", "pieces-homed", "copies-prefetch")
     share = 0.5 if mode == "pieces-homed" else None
     first = None
     monkeypatch.setenv("GEMMACTL_ENGINE_MOE", mode.split("-")[0])
@@ -358,6 +384,7 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
             assert isinstance(step.graph, TableDecode)
         else:
             assert isinstance(step.graph, PiecewiseDecode)
+            assert engine.experts.store.arena.addressed == (mode.startswith("pieces") and int4_groups_kept(expert=True))
             assert len(step.graph.graphs) == len(step.graph.calls) + 1 == sum(1 for layer in engine.layers if layer.moe) + 1
         tokens, _ = engine_greedy(engine, PROMPT, STEPS, decoder=step)
         assert tokens == expected, (slots, policy)

@@ -13,13 +13,20 @@ has run (an event recorded after each use).
 
 `SCRATCH` extra rows serve misses the cache does not keep (the cache off, or every slot held by
 the layer's own experts), in turn. `staging` rows (top_k of them) serve a decode step captured in
-CUDA graphs (runtime/engine/graph_moe.py): a graph cannot follow an expert from row to row, so
-before each MoE layer's graph the host copies the token's experts into the same rows, in ascending
-order, and the graph computes them there. A hit is a copy within the device (by bandwidth, about
-2 µs for a 26B-A4B expert on an H200, 35 µs at a 4 GB card's 200 GB/s), a miss a copy over the
-link. With prefetch, `ahead` rows (top_k more, taken from the cache's room) receive the next MoE
-layer's guessed experts while the graph computes, and its misses that were guessed are then
-copied from there within the device.
+CUDA graphs (runtime/engine/graph_moe.py). Addressed (`addressed`, the default where the experts
+are in the grouped kernel's layout), the host writes the rows of the token's k experts into a
+small device tensor before each MoE layer's graph and the graph's grouped kernel reads each expert
+in its row, a cache slot or, for a miss the cache does not keep, a staging row: a hit is no copy
+at all, a miss one copy over the link into its slot. Otherwise (tinygemm's layout, or
+`GEMMACTL_ENGINE_MOE=copies`) a graph cannot follow an expert from row to row, so the host copies
+the token's experts into the staging rows, in ascending order, and the graph computes them there:
+a hit is a copy within the device (about 2 µs for a 26B-A4B expert on an H200, 35 µs at a 4 GB
+card's 200 GB/s), a miss a copy over the link and, where the cache keeps it, one more into its
+slot. The addressed step does a third of the copies: on an H100 with a uniform router the copied
+step made 672 copy calls a token, one by one from the host, between pieces the GPU waits for.
+With prefetch, `ahead` rows (top_k more, taken from the cache's room) receive the next MoE layer's
+guessed experts while the graph computes, and its misses that were guessed are then copied from
+there within the device (into their slot or staging row).
 
 Experts homed on the host (ExpertStore.set_homes) have no row here: they are computed on the host
 and never copied. A captured step takes their outputs instead: the host writes each into its
@@ -34,6 +41,7 @@ and bookkeeping with the host's tensors.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from gemmactl.runtime.engine.expert_settings import EXPERT_SCRATCH_ROWS as SCRATCH
 
@@ -88,6 +96,15 @@ class ExpertArena:
         self.device_rows = [self.on_device[i] for i in range(rows)]
         self.host_rows = [self.host_row(i) for i in range(len(keys))]
         self._scratch = 0
+        # The addressed step (module docstring): the rows the next piece reads, written from a
+        # pinned buffer; each row's tensors at (the device rows' base + row · row_bytes + offset).
+        self.addressed = False  # set by the captured step (graph_moe.PiecewiseDecode)
+        self.compute = None  # the compute stream of the step under way (one lookup a token, not one a copy)
+        self.rows_pinned = torch.zeros(max(staging, 1), dtype=torch.int64, pin_memory=self.cuda)
+        self.rows_numpy = self.rows_pinned.numpy()
+        base = self.on_device.data_ptr()
+        self.offsets = torch.tensor([base + offset for *_, offset in self.layout], dtype=torch.int64,
+                                    device=self.device)
         self.host_out = self.host_flags = self.host_out_pinned = self.host_flags_pinned = None
         if store.homed and staging:  # a captured step's outputs of homed experts (module docstring)
             self.host_out = torch.zeros((staging, hidden), dtype=store.dtype, device=self.device)
@@ -158,32 +175,76 @@ class ExpertArena:
         """The Linears viewing staging row j (what a captured step computes; see move)."""
         return self.views[self.staging + j]
 
-    def move(self, moves: list) -> None:
+    def addressable(self) -> bool:
+        """Whether a captured step can read each expert in its own row: on CUDA, the experts in
+        the grouped kernel's layout (it takes a table of addresses; tinygemm takes tensors)."""
+        from gemmactl.runtime.engine.kernels import Int4GroupsLinear
+
+        return self.cuda and all(isinstance(linear, Int4GroupsLinear) for linear in self.template)
+
+    def _compute_stream(self):
+        return self.compute if self.compute is not None else torch.cuda.current_stream(self.device)
+
+    def move(self, moves: list, rows: list | None = None, target: torch.Tensor | None = None) -> None:
         """A captured step's copies for one MoE layer, in order, in one go: (source, row) pairs, a
-        source being an expert's key (its host row, over the link) or a device row. Then the
-        compute stream waits for all of them. No event per copy: the host runs this between two
-        graphs, for every MoE layer of every token, so its cost is the step's (one stream switch,
-        the waits a row needs, one event)."""
-        rows = self.device_rows
+        source being an expert's key (its host row, over the link) or a device row; then, for the
+        addressed step, rows (the k rows its experts are read from, ascending expert order) into
+        target, the device tensor the next piece reads them from. Then the compute stream waits for
+        all of them. No event per copy: the host runs this between two graphs, for every MoE layer
+        of every token, so its cost is the step's (one stream switch, the waits a row needs, one
+        event)."""
+        device_rows = self.device_rows
+        if rows is not None:
+            self.rows_numpy[:len(rows)] = rows  # free: the last copy from it ran before the host's wait
         if not self.cuda:
             for source, row in moves:
-                rows[row].copy_(self.host_rows[self.rows[source]] if isinstance(source, tuple) else rows[source])
+                device_rows[row].copy_(self.host_rows[self.rows[source]] if isinstance(source, tuple)
+                                       else device_rows[source])
+            if rows is not None:
+                target.copy_(self.rows_pinned[:len(rows)])
             return
-        with torch.cuda.stream(self.stream):
+        compute = self._compute_stream()
+        torch.cuda.set_stream(self.stream)  # not `with torch.cuda.stream`: it asks for the current stream again
+        try:
             if self.staging_freed is not None:  # the last graph that read the staging rows
                 self.stream.wait_event(self.staging_freed)
             for source, row in moves:
                 if self.freed[row] is not None:  # a cache slot an eager step read
                     self.stream.wait_event(self.freed[row])
                     self.freed[row] = None
-                rows[row].copy_(self.host_rows[self.rows[source]] if isinstance(source, tuple) else rows[source],
-                                non_blocking=True)
+                device_rows[row].copy_(self.host_rows[self.rows[source]] if isinstance(source, tuple)
+                                       else device_rows[source], non_blocking=True)
+            if rows is not None:
+                target.copy_(self.rows_pinned[:len(rows)], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
+        finally:
+            torch.cuda.set_stream(compute)
         for _, row in moves:
             if row < self.staging:  # a cache slot: an eager step reading it waits for this
                 self.ready[row] = done
-        torch.cuda.current_stream(self.device).wait_event(done)
+        compute.wait_event(done)
+
+    def rows_forward(self, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The k experts read in device rows rows [k] (move's target) on one token x [1, H] → [k, H],
+        with no host decision in it on CUDA (so it can be captured): the grouped kernel, one launch
+        for the k gate_up products and one for the k down products, each expert's tensors at its
+        row's addresses. The same products as the one-token kernel gives one expert at a time (the
+        grouped kernel splits K as it does). Where the host stands in for the device (tests), each
+        row's views, read from the host."""
+        if not self.cuda:
+            from gemmactl.runtime.engine.experts import expert_forward
+
+            return torch.cat([expert_forward(self.views[row], x) for row in rows.tolist()])
+        from gemmactl.runtime.engine.int4_gemv import grouped
+
+        addresses = rows[:, None] * self.row_bytes + self.offsets  # [k, 6]: gate_up's three tensors, down's
+        gate_up, down = self.template
+        h = grouped(x.reshape(-1), addresses[:, :3].contiguous(), gate_up.out_features, gate_up.in_features,
+                    gate_up.group_size)  # [k, 2w]
+        gate, up = h.chunk(2, dim=-1)
+        a = F.gelu(gate, approximate="tanh") * up
+        return grouped(a, addresses[:, 3:].contiguous(), down.out_features, down.in_features, down.group_size)
 
     def prefetch(self, keys: list) -> None:
         """Copy the experts keys over the link into the ahead rows, after every copy queued so far
@@ -195,9 +256,15 @@ class ExpertArena:
             for key, row in self.ahead_keys.items():
                 rows[row].copy_(self.host_rows[self.rows[key]])
             return
-        with torch.cuda.stream(self.stream):
+        if not self.ahead_keys:
+            return
+        compute = self._compute_stream()
+        torch.cuda.set_stream(self.stream)
+        try:
             for key, row in self.ahead_keys.items():
                 rows[row].copy_(self.host_rows[self.rows[key]], non_blocking=True)
+        finally:
+            torch.cuda.set_stream(compute)
 
     def send_host_outputs(self, outputs: bool = True) -> None:
         """Queue the flags and (outputs: some expert was homed) the homed experts' outputs to the
@@ -213,7 +280,7 @@ class ExpertArena:
         into them wait for it."""
         if self.cuda:
             done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
+            done.record(self._compute_stream())
             self.staging_freed = done
 
     def linears(self, row: int) -> tuple:

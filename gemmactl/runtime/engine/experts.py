@@ -327,6 +327,7 @@ class MoEBlock:
         self.next: MoEBlock | None = None  # the next MoE layer's block, for prefetch
         self.prefetch = False
         self.prefetched: set = set()  # shared by the model's blocks: keys copied in ahead, not used yet
+        self.staged_rows: torch.Tensor | None = None  # [k] on the device: an addressed step's rows (stage)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, experts [T, k]) for the residual stream x [T, H]."""
@@ -484,13 +485,16 @@ class MoEBlock:
 
     def stage(self, experts: torch.Tensor, guess: torch.Tensor | None = None,
               x: torch.Tensor | None = None) -> list | None:
-        """For one token's step captured in graphs (runtime/engine/graph_moe.py): copy the experts
-        the router chose (experts [1, k]) into the arena's staging rows, in ascending order, for
-        staged_sum to read. The cache is looked up and filled as combine() does: a hit is copied
-        from its slot, a miss crosses the link into its staging row and, where the cache keeps it,
-        on into its slot. An expert homed on the host (ExpertStore.set_homes) is computed there
-        from x [1, H] (the experts' input) while the copies cross, and its output crosses instead,
-        into the arena's host outputs, where staged_sum takes it in place of its staging row.
+        """For one token's step captured in graphs (runtime/engine/graph_moe.py): make the experts
+        the router chose (experts [1, k]) ready for staged_sum, in ascending order. The cache is
+        looked up and filled as combine() does. Addressed (arena.addressed), a hit is read where it
+        lies and a miss crosses the link into its slot (or, where the cache does not keep it, its
+        staging row), and the k rows go to the device for staged_sum (self.staged_rows); otherwise every
+        expert is copied into its staging row: a hit from its slot, a miss over the link and, where
+        the cache keeps it, on into its slot. An expert homed on the host (ExpertStore.set_homes)
+        is computed there from x [1, H] (the experts' input) while the copies cross, and its output
+        crosses instead, into the arena's host outputs, where staged_sum takes it in place of its
+        row's.
 
         guess [1, k]: the next MoE layer's experts as guessed in the same piece; returned as a list
         for stage_ahead, read here before the copies are queued (once they are, reading a device
@@ -502,27 +506,37 @@ class MoEBlock:
         counters.tokens += 1
         counters.decode_tokens += 1
         before = counters.copied_bytes
-        moves, homed = [], []
+        addressed = arena.addressed
+        moves, homed, rows = [], [], []  # rows: where the addressed step reads each expert
         for j, expert in enumerate(order):
             key, row = (self.layer, expert), arena.staging + j
             slot = self._lookup(key)
             if key in store.homed:
                 homed.append((j, key))
+                rows.append(row)  # read for nothing: staged_sum takes the host's output
                 continue
             if slot is not None:
-                moves.append((slot, row))
+                if addressed:
+                    rows.append(slot)
+                else:
+                    moves.append((slot, row))
                 continue
             counters.copied += 1
             ahead = arena.ahead_keys.get(key)
             if ahead is not None:  # guessed a layer ahead: over the link already (counted then)
                 counters.prefetch_hits += 1
-                moves.append((ahead, row))
+                source = ahead
             else:
                 counters.copied_bytes += store.stored_bytes
-                moves.append((key, row))
+                source = key
             slot, _ = cache.admit(key, keep=held)
-            if slot is not None:
-                moves.append((row, slot))
+            if addressed:
+                rows.append(row if slot is None else slot)
+                moves.append((source, rows[-1]))
+            else:
+                moves.append((source, row))
+                if slot is not None:
+                    moves.append((row, slot))
         counters.decode_bytes += counters.copied_bytes - before
         # The homed experts' input, read before the copies are queued: the compute stream then
         # waits for them, and a read of x behind them would hold the host's work until they landed.
@@ -531,7 +545,10 @@ class MoEBlock:
             if x is None:
                 raise ValueError("a staged step with experts homed on the host needs their input x")
             host_x = x.to("cpu")
-        arena.move(moves)  # first, so the link works while the host computes
+        if addressed:
+            arena.move(moves, rows, self.staged_rows)  # first, so the link works while the host computes
+        else:
+            arena.move(moves)
         if arena.host_out is not None:
             flags = arena.host_flags_pinned
             flags.zero_()
@@ -561,14 +578,15 @@ class MoEBlock:
         counters.decode_bytes += len(arena.ahead_keys) * store.stored_bytes
 
     def staged_sum(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The experts' sum for one token x [1, H] from the staging rows stage() filled, with no
-        host decision in it (so it can be captured): the same products, added in the same
-        ascending order, as combine() computes."""
+        """The experts' sum for one token x [1, H] from the rows stage() named (addressed) or
+        filled (the staging rows), with no host decision in it (so it can be captured): the same
+        products, added in the same ascending order, as combine() computes."""
         arena = self.store.arena
-        ranked = weights[:, torch.argsort(experts[0])]  # [1, k]: staging row j's weight
+        ranked = weights[:, torch.argsort(experts[0])]  # [1, k]: the j-th expert's weight, ascending
+        every = arena.rows_forward(self.staged_rows, x) if arena.addressed else None  # [k, H]
         out = torch.zeros_like(x)
         for j in range(self.top_k):
-            y = expert_forward(arena.staged(j), x)
+            y = every[j:j + 1] if every is not None else expert_forward(arena.staged(j), x)
             if arena.host_out is not None:  # the host's output where it computed the j-th expert
                 y = torch.where(arena.host_flags[j], arena.host_out[j:j + 1], y)
             out.add_((y * ranked[:, j:j + 1]).to(out.dtype))
@@ -681,6 +699,9 @@ class MoEExperts:
         block = MoEBlock(layer, router, self.store, self.cache, self.rule, self.counters, self.top_k, self.eps,
                          self.hidden)
         block.prefetch, block.prefetched = self.prefetch, self._prefetched
+        arena = self.store.arena
+        if arena is not None:  # the rows an addressed captured step reads this layer's experts from
+            block.staged_rows = torch.arange(arena.staging, arena.staging + self.top_k, device=self.store.device)
         if self.blocks:
             self.blocks[-1].next = block
         self.blocks.append(block)

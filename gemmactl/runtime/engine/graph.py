@@ -31,7 +31,7 @@ COMPILE_ENV = "GEMMACTL_ENGINE_COMPILE"  # auto (on for CUDA) | on | max (induct
 GRAPH_ENV = "GEMMACTL_ENGINE_GRAPH"  # auto (on for CUDA) | on (forced, also off CUDA where every layer is resident) | off
 
 
-MOE_ENV = "GEMMACTL_ENGINE_MOE"  # pieces (default) | table
+MOE_ENV = "GEMMACTL_ENGINE_MOE"  # pieces (default) | copies (the pieces, every expert copied into staging rows) | table
 OFF = ("off", "0", "false")
 
 
@@ -154,7 +154,8 @@ class DecodeStep:
         elif moe_pieces_wanted(model):
             from gemmactl.runtime.engine.graph_moe import PiecewiseDecode
 
-            self.graph = PiecewiseDecode(model)  # replayed piece by piece, the experts between
+            # replayed piece by piece, the experts between: read in their rows, or copied (to measure)
+            self.graph = PiecewiseDecode(model, addressed=os.environ.get(MOE_ENV, "pieces").lower() != "copies")
         self.setup_s = time.perf_counter() - start
 
     def compiled_step(self):

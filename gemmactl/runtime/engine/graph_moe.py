@@ -7,15 +7,19 @@ eager step of a 26B-A4B-shaped model ran 6.4–9.4 tok/s, and with only the dens
 experts eager between the graphs) 20.1, its 240 experts a token still launched one by one
 (docs/benchmarks.md). Here the step is cut after each MoE layer's router: graph i runs from the
 previous layer's experts (their sum included) to this layer's router and top-k; then the host
-reads the router's choice and copies the chosen experts into the arena's staging rows
-(MoEBlock.stage: from their cache slots, or over the link on a miss), and graph i+1 begins by
-computing them there (MoEBlock.staged_sum). Between two graphs the host does one read of k
-integers and k copies. With prefetch (`--expert-prefetch`), graph i also applies the next MoE
-layer's router to this layer's residual stream, and the host copies the uncached experts it picks
-into the arena's ahead rows right after this layer's copies: they cross the link while graph i+1
-computes, and the next layer's guessed misses are then copies within the device
-(MoEBlock.stage_ahead). The graphs share one memory pool and are replayed in the order they were
-captured, as torch requires for sharing.
+reads the router's choice, copies the misses over the link (MoEBlock.stage) and writes the rows
+each chosen expert lies in (a cache slot, or a staging row for a miss the cache does not keep)
+into a small device tensor; graph i+1 begins by computing the k experts in one grouped launch
+that reads each in its row (MoEBlock.staged_sum, ExpertArena.rows_forward). Between two graphs the
+host does one read of k integers, a copy for each miss and one of k row numbers. Where the
+experts are in tinygemm's layout, or with `GEMMACTL_ENGINE_MOE=copies` (to measure), the host
+copies every chosen expert into the arena's staging rows instead (a hit within the device), and
+graph i+1 computes them there one by one. With prefetch (`--expert-prefetch`), graph i also
+applies the next MoE layer's router to this layer's residual stream, and the host copies the
+uncached experts it picks into the arena's ahead rows right after this layer's copies: they cross
+the link while graph i+1 computes, and the next layer's guessed misses are then copies within the
+device (MoEBlock.stage_ahead). The graphs share one memory pool and are replayed in the order they
+were captured, as torch requires for sharing.
 
 Captured the way graph.DecodeStep captures a dense step: static token and position, the rows of
 the embedding tables gathered outside the graphs, every cache slot read with the unwritten ones
@@ -35,9 +39,11 @@ from gemmactl.runtime.engine.capture import capture_body, fill_rows, warm_up
 class PiecewiseDecode:
     """One token's step of an MoE model: graphs between routing decisions, the experts eager."""
 
-    def __init__(self, model):
+    def __init__(self, model, addressed: bool = True):
         self.model = model
         device = model.device
+        arena = model.experts.store.arena
+        arena.addressed = addressed and arena.addressable()  # what the graphs read is fixed at capture
         self.token = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         with torch.inference_mode():
@@ -96,20 +102,20 @@ class PiecewiseDecode:
         arena = self.model.experts.store.arena
         arena.ahead_keys = {}  # an eager step may have run since the last guess
         fill_rows(self.model, self.token, self.x, self.per_layer)
-        ahead = None  # (the next MoE layer's block, its guessed experts)
-        with torch.inference_mode():
-            for i, graph in enumerate(self.graphs):
-                graph.replay()
-                if i:
-                    arena.release_staging()  # graph i read the staging rows
-                if ahead is not None:  # queued after the replay, so the graph's launch does not wait for it
-                    ahead[0].stage_ahead(ahead[1])
-                    ahead = None
-                if i < len(self.calls):
-                    call = self.calls[i]
-                    guessed = call.block.stage(call.experts, call.guess, call.x)
-                    if guessed is not None:
-                        ahead = (call.block.next, guessed)
+        arena.compute = torch.cuda.current_stream(self.model.device)
+        try:
+            with torch.inference_mode():
+                for i, graph in enumerate(self.graphs):
+                    graph.replay()
+                    if i:
+                        arena.release_staging()  # graph i read the staging rows
+                    if i < len(self.calls):
+                        call = self.calls[i]
+                        guessed = call.block.stage(call.experts, call.guess, call.x)
+                        if guessed is not None:  # behind this layer's copies, which graph i+1 waits for
+                            call.block.next.stage_ahead(guessed)
+        finally:
+            arena.compute = None
         return self.logits
 
 
