@@ -347,6 +347,30 @@ def test_an_moe_step_is_captured_in_pieces_on_cuda_unless_turned_off(monkeypatch
     assert not moe_pieces_wanted(model)
 
 
+def test_the_whole_step_asked_for_with_homed_experts_says_why_the_pieces_run(monkeypatch):
+    from types import SimpleNamespace
+
+    from gemmactl.runtime.engine.graph import MOE_ENV, moe_table_refused
+    from gemmactl.runtime.engine.placement import EnginePlacement
+
+    experts = SimpleNamespace(store=SimpleNamespace(arena=object(), homed={(1, 7)}), table_ready=lambda: False)
+    model = SimpleNamespace(placement=EnginePlacement(("resident",) * 4), experts=experts,
+                            device=torch.device("cuda"))
+    monkeypatch.setenv(MOE_ENV, "table")
+    assert moe_table_refused(model) == (f"{MOE_ENV}=table: experts are homed on the CPU (--expert-cpu-share), "
+                                        "so the MoE step is captured in pieces")
+    experts.store.homed = set()
+    assert "grouped kernel's layout" in moe_table_refused(model)
+    experts.table_ready = lambda: True
+    assert moe_table_refused(model) is None  # it runs
+    experts.table_ready = lambda: False
+    monkeypatch.setenv(MOE_ENV, "pieces")
+    assert moe_table_refused(model) is None  # not asked for
+    monkeypatch.setenv(MOE_ENV, "table")
+    model.device = torch.device("cpu")
+    assert moe_table_refused(model) is None  # nothing is captured on the CPU
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["table", "pieces", "pieces-prefetch", "pieces-homed", "copies", "copies-prefetch"])
 def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mode):

@@ -84,7 +84,9 @@ def run(prompt, tier, model, recipe, max_tokens, temperature, seed, system, show
     experts = expert_settings_for(spec.tier, expert_cache, expert_policy, expert_prefetch, expert_cpu_share)
     speculation = draft_settings_for(spec.tier, store, draft, draft_max, draft_tune,
                                      engine=backend_for(resolved) == "int4")
-    with byte_progress("laying out the experts for the CPU (first load only)", progress_enabled(json_mode),
+    # The layout file of a CPU-only machine is made at the first load; experts homed on the CPU
+    # of a GPU machine are laid out at every load.
+    with byte_progress("laying out the experts for the CPU", progress_enabled(json_mode),
                        lazy=True) as progress:
         backend = open_backend(resolved, context=spec.tier.context, store=store, vram=spec.tier.vram,
                                rpc=workers or spec.tier.rpc, experts=replace(experts, progress=progress),

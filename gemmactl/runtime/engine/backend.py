@@ -97,6 +97,11 @@ class EngineBackend(HfTokenizerText):
         self.notices = []
         if placement is not None and not placement.resident_only:
             self.notices.append(f"{placement.reason or 'placed'}: {placement.summary()}")
+        from gemmactl.runtime.engine.graph import moe_table_refused
+
+        refused = moe_table_refused(self.model)
+        if refused:
+            self.notices.append(refused)
         self.speculator = None
         if draft is not None:
             from gemmactl.runtime.engine.draft import open_speculator

@@ -50,6 +50,18 @@ def moe_table_wanted(model) -> bool:
             and model.experts.table_ready())
 
 
+def moe_table_refused(model) -> str | None:
+    """Why the whole-step graph was asked for (MOE_ENV=table) and the pieces run instead, in a
+    line for the caller's notices; None where it was not asked for or runs."""
+    if os.environ.get(MOE_ENV, "pieces").lower() != "table" or not moe_pieces_wanted(model):
+        return None
+    if model.experts.table_ready():
+        return None
+    why = ("experts are homed on the CPU (--expert-cpu-share)" if model.experts.store.homed
+           else "the experts are not in the grouped kernel's layout")
+    return f"{MOE_ENV}=table: {why}, so the MoE step is captured in pieces"
+
+
 def moe_pieces_wanted(model) -> bool:
     """Whether to capture an MoE model's step between its routing decisions (graph_moe.py): on
     CUDA unless GRAPH_ENV is off, with every layer resident and the experts in an arena."""
