@@ -39,6 +39,7 @@ far less, so a ratio is only fair between runs side by side in time.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -213,8 +214,11 @@ def main() -> None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+        answer = data.get("answer") or ""
+        # The answer's digest: runs that should give the same greedy tokens (the MoE step's modes) are
+        # compared by it.
         return {**run_row(data.get("stats", {}), peak, status), "engine": (data.get("model") or {}).get("engine"),
-                "notices": data.get("notices")}
+                "notices": data.get("notices"), "answer_sha256": hashlib.sha256(answer.encode()).hexdigest()[:16]}
 
     for tier in ("engine", "llamacpp"):
         if "run" in runs or f"run-{tier}" in runs:

@@ -30,11 +30,16 @@ def _matrix(rows, cols, group, device):
     return q.to(device), s.to(device), z.to(device), dequantize_int4(q, s, z, cols, torch.float32).to(device)
 
 
+# 26B-A4B's experts (gate_up joined: 1,408 × 2,816, its K split in two on an H100 or H200; down:
+# 2,816 × 704), on the GPU only (Triton's interpreter takes minutes over them).
+EXPERT_SHAPES = [(1408, 2816, 32), (2816, 704, 32)]
+
+
 def check_kernels(device: str) -> None:
     """Every check, on device ("cuda", or "cpu" under Triton's interpreter)."""
     from gemmactl.runtime.engine import int4_gemv
 
-    for rows, cols, group in SHAPES:
+    for rows, cols, group in SHAPES + (EXPERT_SHAPES if device == "cuda" else []):
         q, s, z, w = _matrix(rows, cols, group, device)
         x = torch.randn(cols, generator=torch.Generator().manual_seed(cols)).bfloat16().to(device)
         reference = w @ x.float()
@@ -49,6 +54,9 @@ def check_kernels(device: str) -> None:
         assert torch.equal(int4_gemv.grouped(xs, addresses, rows, cols, group), single), (rows, cols, group)
         shared = torch.stack([int4_gemv.int4_gemv(x, *mats[i], cols) for i in range(3)])
         assert torch.equal(int4_gemv.grouped(x, addresses, rows, cols, group), shared), (rows, cols, group)
+        # One matrix at a time (an eager step's expert) gives the rows of all at once (a captured step's).
+        alone = torch.cat([int4_gemv.grouped(xs[i:i + 1], addresses[i:i + 1], rows, cols, group) for i in range(3)])
+        assert torch.equal(alone, single), (rows, cols, group)
         if device == "cuda":  # read in place from pinned host memory, over the link
             pinned = [tuple(t.cpu().pin_memory() for t in parts) for parts in mats]
             host = torch.tensor([[t.data_ptr() for t in parts] for parts in pinned], dtype=torch.int64, device=device)

@@ -99,6 +99,7 @@ class ExpertArena:
         # The addressed step (module docstring): the rows the next piece reads, written from a
         # pinned buffer; each row's tensors at (the device rows' base + row · row_bytes + offset).
         self.addressed = False  # set by the captured step (graph_moe.PiecewiseDecode)
+        self.row_ids = torch.arange(rows, device=self.device)  # row r's number on the device: row_ids[r:r + 1]
         self.compute = None  # the compute stream of the step under way (one lookup a token, not one a copy)
         self.rows_pinned = torch.zeros(max(staging, 1), dtype=torch.int64, pin_memory=self.cuda)
         self.rows_numpy = self.rows_pinned.numpy()
@@ -177,10 +178,27 @@ class ExpertArena:
 
     def addressable(self) -> bool:
         """Whether a captured step can read each expert in its own row: on CUDA, the experts in
-        the grouped kernel's layout (it takes a table of addresses; tinygemm takes tensors)."""
+        the grouped kernel's layout (it takes a table of addresses; tinygemm takes tensors). Then
+        every one-token product of an expert runs in that kernel, eager or captured (rows_forward)."""
         from gemmactl.runtime.engine.kernels import Int4GroupsLinear
 
         return self.cuda and all(isinstance(linear, Int4GroupsLinear) for linear in self.template)
+
+    def row_forward(self, row: int, x: torch.Tensor) -> torch.Tensor:
+        """The expert in device row `row` on x [t, H], once its copy has landed (the compute
+        stream waits for it). One token where the arena is addressable runs the grouped kernel for
+        that one row, as a captured step runs a layer's k (the same binary, the same products, so
+        the eager and captured steps agree bit for bit); else the row's Linears."""
+        from gemmactl.runtime.engine.experts import expert_forward
+
+        linears = self.linears(row)
+        if x.shape[0] == 1 and self.addressable():
+            return self.rows_forward(self.row_ids[row:row + 1], x)
+        return expert_forward(linears, x)
+
+    def staging_ids(self, k: int) -> torch.Tensor:
+        """The staging rows' numbers [k] on the device (what a copied step's grouped kernel reads)."""
+        return self.row_ids[self.staging:self.staging + k]
 
     def _compute_stream(self):
         return self.compute if self.compute is not None else torch.cuda.current_stream(self.device)

@@ -471,7 +471,7 @@ class MoEBlock:
                 fill_scratch(scratch_seen)  # the next one, into the row the one before this freed
                 source = rows[i]
             if picked is not None:  # one token: every picked expert reads it
-                y = self._host(key, x) if source == "host" else expert_forward(arena.linears(source), x)
+                y = self._host(key, x) if source == "host" else arena.row_forward(source, x)
                 slot_of = picked.index(expert)
                 out.add_((y * weights[:, slot_of:slot_of + 1]).to(out.dtype))
             else:
@@ -583,7 +583,9 @@ class MoEBlock:
         products, added in the same ascending order, as combine() computes."""
         arena = self.store.arena
         ranked = weights[:, torch.argsort(experts[0])]  # [1, k]: the j-th expert's weight, ascending
-        every = arena.rows_forward(self.staged_rows, x) if arena.addressed else None  # [k, H]
+        # [k, H] in one grouped launch where the arena is addressable (rows_forward), else expert by expert
+        every = (arena.rows_forward(self.staged_rows, x) if arena.addressed
+                 else arena.rows_forward(arena.staging_ids(self.top_k), x) if arena.addressable() else None)
         out = torch.zeros_like(x)
         for j in range(self.top_k):
             y = every[j:j + 1] if every is not None else expert_forward(arena.staged(j), x)

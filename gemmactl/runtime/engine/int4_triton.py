@@ -42,7 +42,9 @@ def int4_gemv(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, G, stride_q, stride_s, G_
                      stride_s, G_PER, BLOCK_N, BLOCK_G, GROUP)
     tl.store(y_ptr + tl.program_id(1) * N + rows, total.to(y_ptr.dtype.element_ty), mask=row_ok)
 
-@triton.jit
+# MATRICES not specialized: one matrix (an eager step's expert) and a layer's k run the same binary,
+# so each program's products are the same bits (runtime/engine/expert_arena.py, rows_forward).
+@triton.jit(do_not_specialize=["MATRICES"])
 def int4_gemv_grouped(x_ptr, stride_x, addr_ptr, y_ptr, N, K, G, stride_q, stride_s, G_PER, MATRICES,
                       BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, GROUP: tl.constexpr):
     # Program (row block, matrix) on axis 0, K split on axis 1. addr_ptr: [M, 3] int64, the
