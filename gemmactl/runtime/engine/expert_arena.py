@@ -22,8 +22,8 @@ at all, a miss one copy over the link into its slot. Otherwise (tinygemm's layou
 the token's experts into the staging rows, in ascending order, and the graph computes them there:
 a hit is a copy within the device (about 2 µs for a 26B-A4B expert on an H200, 35 µs at a 4 GB
 card's 200 GB/s), a miss a copy over the link and, where the cache keeps it, one more into its
-slot. The addressed step does a third of the copies: on an H100 with a uniform router the copied
-step made 672 copy calls a token, one by one from the host, between pieces the GPU waits for.
+slot. The addressed step makes fewer copies, each from the host between pieces the GPU waits for:
+460 copy calls a token against 672 on an H100 with a uniform router (docs/benchmarks.md).
 With prefetch, `ahead` rows (top_k more, taken from the cache's room) receive the next MoE layer's
 guessed experts while the graph computes, and its misses that were guessed are then copied from
 there within the device (into their slot or staging row).
@@ -98,6 +98,9 @@ class ExpertArena:
         self._scratch = 0
         # The addressed step (module docstring): the rows the next piece reads, written from a
         # pinned buffer; each row's tensors at (the device rows' base + row · row_bytes + offset).
+        from gemmactl.runtime.engine.kernels import Int4GroupsLinear
+
+        self._addressable = self.cuda and all(isinstance(linear, Int4GroupsLinear) for linear in template)
         self.addressed = False  # set by the captured step (graph_moe.PiecewiseDecode)
         self.row_ids = torch.arange(rows, device=self.device)  # row r's number on the device: row_ids[r:r + 1]
         self.compute = None  # the compute stream of the step under way (one lookup a token, not one a copy)
@@ -180,9 +183,7 @@ class ExpertArena:
         """Whether a captured step can read each expert in its own row: on CUDA, the experts in
         the grouped kernel's layout (it takes a table of addresses; tinygemm takes tensors). Then
         every one-token product of an expert runs in that kernel, eager or captured (rows_forward)."""
-        from gemmactl.runtime.engine.kernels import Int4GroupsLinear
-
-        return self.cuda and all(isinstance(linear, Int4GroupsLinear) for linear in self.template)
+        return self._addressable
 
     def row_forward(self, row: int, x: torch.Tensor) -> torch.Tensor:
         """The expert in device row `row` on x [t, H], once its copy has landed (the compute
@@ -247,9 +248,9 @@ class ExpertArena:
         """The k experts read in device rows rows [k] (move's target) on one token x [1, H] → [k, H],
         with no host decision in it on CUDA (so it can be captured): the grouped kernel, one launch
         for the k gate_up products and one for the k down products, each expert's tensors at its
-        row's addresses. The same products as the one-token kernel gives one expert at a time (the
-        grouped kernel splits K as it does). Where the host stands in for the device (tests), each
-        row's views, read from the host."""
+        row's addresses. The eager step runs the same kernel for one row at a time (row_forward), so
+        the products are the same bits. Where the host stands in for the device (tests), each row's
+        views, read from the host."""
         if not self.cuda:
             from gemmactl.runtime.engine.experts import expert_forward
 

@@ -10,14 +10,17 @@ A share of each layer's experts may be homed on the host (`--expert-cpu-share`, 
 choice by default): computed there always, never cached or copied (ExpertStore.set_homes).
 On CUDA the experts are first laid out in the kernel's layout in pinned host memory
 (runtime/engine/expert_arena.py), so a miss is one asynchronous copy overlapped with the compute
-of the experts before it; int4 experts run in tinygemm with their columns padded where needed.
+of the experts before it; int4 experts stay as stored and one token's products run in the grouped
+Triton kernel, eager or captured (tinygemm, with columns padded where needed, where Triton is
+missing or GEMMACTL_ENGINE_INT4=tinygemm).
 
 The block computes exactly what transformers' Gemma 4 MoE block computes, expert by expert in
 ascending order with each expert's tokens grouped (its weights read once per step), so the
 answer does not depend on whether an expert was cached: greedy tokens are the same with the cache
 on or off and under every policy (tests/test_engine_experts.py). One exception on a GPU: an
-expert computed on the host is decoded dense there, where the device's tinygemm rounds each
-group's scale and zero to bfloat16, so the two can differ in the last bits. On a machine
+expert computed on the host (the miss rule's choice) runs the host's kernel, whose sums can differ
+from the device's in the last bits; a homed expert is computed on the host whatever the cache, so
+it changes nothing here. On a machine
 without a GPU the host stands in for the device: the cache, its policy and its counters run,
 and copies are memory copies.
 
