@@ -41,9 +41,9 @@ and bookkeeping with the host's tensors.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from gemmactl.runtime.engine.expert_settings import EXPERT_SCRATCH_ROWS as SCRATCH
+from gemmactl.runtime.engine.ops import expert_forward, gated
 
 ALIGN = 256  # bytes: every tensor in a row starts at a multiple of this
 # Pinned host memory comes from torch's host allocator, which rounds a request up to a power of
@@ -190,8 +190,6 @@ class ExpertArena:
         stream waits for it). One token where the arena is addressable runs the grouped kernel for
         that one row, as a captured step runs a layer's k (the same binary, the same products, so
         the eager and captured steps agree bit for bit); else the row's Linears."""
-        from gemmactl.runtime.engine.experts import expert_forward
-
         linears = self.linears(row)
         if x.shape[0] == 1 and self.addressable():
             return self.rows_forward(self.row_ids[row:row + 1], x)
@@ -252,18 +250,21 @@ class ExpertArena:
         the products are the same bits. Where the host stands in for the device (tests), each row's
         views, read from the host."""
         if not self.cuda:
-            from gemmactl.runtime.engine.experts import expert_forward
-
             return torch.cat([expert_forward(self.views[row], x) for row in rows.tolist()])
+        addresses = rows[:, None] * self.row_bytes + self.offsets  # [k, 6]: gate_up's three tensors, down's
+        return self.addresses_forward(addresses, x)
+
+    def addresses_forward(self, addresses: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The k experts whose tensors lie at addresses [k, 6] (gate_up's codes, scales and zeros,
+        then down's: a device row or a pinned host row) on one token x [1, H] → [k, H]: the grouped
+        kernel, one launch for the gate_up products and one for the down products."""
         from gemmactl.runtime.engine.int4_gemv import grouped
 
-        addresses = rows[:, None] * self.row_bytes + self.offsets  # [k, 6]: gate_up's three tensors, down's
         gate_up, down = self.template
         h = grouped(x.reshape(-1), addresses[:, :3].contiguous(), gate_up.out_features, gate_up.in_features,
                     gate_up.group_size)  # [k, 2w]
-        gate, up = h.chunk(2, dim=-1)
-        a = F.gelu(gate, approximate="tanh") * up
-        return grouped(a, addresses[:, 3:].contiguous(), down.out_features, down.in_features, down.group_size)
+        return grouped(gated(h), addresses[:, 3:].contiguous(), down.out_features, down.in_features,
+                       down.group_size)
 
     def prefetch(self, keys: list) -> None:
         """Copy the experts keys over the link into the ahead rows, after every copy queued so far

@@ -39,10 +39,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from gemmactl.runtime.engine.expert_settings import DEFAULT_POLICY, POLICIES, ExpertSettings
-from gemmactl.runtime.engine.ops import rms_norm
+from gemmactl.runtime.engine.ops import expert_forward, rms_norm
 
 AGE_EVERY = 4096  # lookups between halving the counts (lfu) or re-learning the pinned set (hot)
 PINNED_SHARE = 0.75  # of the slots, at most, pinned by the hot policy
@@ -290,13 +289,6 @@ def _count(shape) -> int:
     for d in shape:
         n *= int(d)
     return n
-
-
-def expert_forward(linears: tuple, x: torch.Tensor) -> torch.Tensor:
-    """One expert on its tokens x [t, H]: GELU(tanh)(gate) · up, then down."""
-    gate_up, down = linears
-    gate, up = gate_up(x).chunk(2, dim=-1)
-    return down(F.gelu(gate, approximate="tanh") * up)
 
 
 def _token_groups(experts: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -604,18 +596,10 @@ class MoEBlock:
         kernel, one launch for the k gate_up products and one for the k down products. The chosen
         experts go to the step's record for the host's bookkeeping after the token. The same
         products, added in the same ascending order, as combine() computes."""
-        from gemmactl.runtime.engine.int4_gemv import grouped
-
         table = self.table  # set by MoEExperts.enable_table: [E, 6] addresses of this layer's experts
         order, where = torch.sort(experts[0])  # ascending experts, and the top-k slot each came from
         self.record.copy_(order)
-        addresses = table.index_select(0, order)  # [k, 6]
-        gate_up, down = self.store.arena.template
-        h = grouped(x.reshape(-1), addresses[:, :3].contiguous(), gate_up.out_features, gate_up.in_features,
-                    gate_up.group_size)  # [k, 2w]
-        gate, up = h.chunk(2, dim=-1)
-        a = F.gelu(gate, approximate="tanh") * up
-        y = grouped(a, addresses[:, 3:].contiguous(), down.out_features, down.in_features, down.group_size)  # [k, H]
+        y = self.store.arena.addresses_forward(table.index_select(0, order), x)  # [k, H]
         ranked = weights[:, where]  # [1, k]
         out = torch.zeros_like(x)
         for j in range(self.top_k):

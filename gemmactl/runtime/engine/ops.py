@@ -73,3 +73,15 @@ def weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     w = weights.permute(1, 0, 2, 3).reshape(heads, t * groups, keys)  # [K, T·g, S]
     out = torch.matmul(w, v.transpose(0, 1))  # [K, T·g, D]
     return out.reshape(heads, t, groups, v.shape[-1]).permute(1, 0, 2, 3)
+
+
+def gated(gate_up: torch.Tensor) -> torch.Tensor:
+    """An MoE expert's activation from its joined gate and up products [..., 2w]: GELU(tanh)(gate) · up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def expert_forward(linears: tuple, x: torch.Tensor) -> torch.Tensor:
+    """One expert on its tokens x [t, H]: GELU(tanh)(gate) · up, then down."""
+    gate_up, down = linears
+    return down(gated(gate_up(x)))
