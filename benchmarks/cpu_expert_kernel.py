@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_expert_kernel.py [--threads 16,8,4,2] [--experts 64]
 
-An expert as the engine computes one homed on the host (runtime/engine/experts.expert_forward):
+An expert as the engine computes one homed on the host (runtime/engine/ops.expert_forward):
 the joined gate/up product (1,408×2,816, groups of 32), GELU(tanh)·up, the down product
 (2,816×704); "products" is the two products alone. --experts distinct random experts (238 MB at
 64 in the kernel's layout, past the caches) are run in turn; the fastest of 5 rounds is reported per expert, with the
