@@ -423,13 +423,14 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
             assert 0 < stats["prefetch_hits"] <= stats["prefetched"], (slots, policy)
         if mode == "table" and slots == 3:  # the cache turned over while the steps read it
             assert engine.experts.cache.version > 3
-        # One decode step's logits, eager and replayed, after the same prefill.
+        # One decode step's logits, eager and replayed, after the same prefill; the eager step without
+        # its end, so its attention reads every slot (the unwritten ones masked) as the capture does.
         with torch.inference_mode():
             stepped = []
             for decoder in (None, step):
                 engine_greedy(engine, PROMPT, 0)
                 token, position = torch.tensor([expected[0]], device="cuda"), len(PROMPT)
-                stepped.append((engine.step(token, torch.tensor([position], device="cuda"), position + 1)
+                stepped.append((engine.step(token, torch.tensor([position], device="cuda"))
                                 if decoder is None else decoder(token, position)).float().cpu())
         # Every one-token product of an expert runs in the grouped kernel, eager or captured: the same bits.
         assert torch.equal(stepped[1], stepped[0]), (slots, policy, (stepped[1] - stepped[0]).abs().max())

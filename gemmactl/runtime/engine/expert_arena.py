@@ -163,6 +163,8 @@ class ExpertArena:
                 self.stream.wait_event(self.freed[row])
             if self.graph_done is not None:
                 self.stream.wait_event(self.graph_done)
+            if self.staging_freed is not None:  # the last captured piece, which may read any slot (addressed)
+                self.stream.wait_event(self.staging_freed)
             self.on_device[row].copy_(source, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
@@ -261,10 +263,12 @@ class ExpertArena:
         from gemmactl.runtime.engine.int4_gemv import grouped
 
         gate_up, down = self.template
-        h = grouped(x.reshape(-1), addresses[:, :3].contiguous(), gate_up.out_features, gate_up.in_features,
-                    gate_up.group_size)  # [k, 2w]
-        return grouped(gated(h), addresses[:, 3:].contiguous(), down.out_features, down.in_features,
-                       down.group_size)
+        # Each half in a tensor of its own: a view of one row's (k = 1, an eager step) would start 24
+        # bytes in, and Triton compiles another binary for a table that is not 16-byte aligned.
+        up_at, down_at = (addresses[:, part].clone(memory_format=torch.contiguous_format)
+                          for part in (slice(0, 3), slice(3, 6)))
+        h = grouped(x.reshape(-1), up_at, gate_up.out_features, gate_up.in_features, gate_up.group_size)  # [k, 2w]
+        return grouped(gated(h), down_at, down.out_features, down.in_features, down.group_size)
 
     def prefetch(self, keys: list) -> None:
         """Copy the experts keys over the link into the ahead rows, after every copy queued so far

@@ -43,7 +43,8 @@ class PiecewiseDecode:
         self.model = model
         device = model.device
         arena = model.experts.store.arena
-        arena.addressed = addressed and arena.addressable()  # what the graphs read is fixed at capture
+        # What the graphs read is fixed at capture: set again at every replay (stage follows it).
+        self.addressed = arena.addressed = addressed and arena.addressable()
         self.token = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         with torch.inference_mode():
@@ -54,8 +55,15 @@ class PiecewiseDecode:
 
     def _capture(self) -> None:
         model = self.model
-        # Warm up (cuBLAS handles, kernels, the allocator), eagerly, experts included.
+        # Warm up (cuBLAS handles, kernels, the allocator), eagerly, experts included, and once as
+        # the pieces will run them (staged), so no kernel is first compiled or loaded inside a capture.
         warm_up(lambda: model.forward(self.x, self.per_layer, self.position), 2)
+
+        def staged(call):
+            call.block.stage(call.experts, None, call.x)
+            return call.block.staged_sum(call.x, call.weights, call.experts)
+
+        warm_up(lambda: model.forward(self.x, self.per_layer, self.position, experts_of=staged), 1)
         pool = torch.cuda.graph_pool_handle()
         open_capture: list = []
 
@@ -100,6 +108,7 @@ class PiecewiseDecode:
         self.token.copy_(token.reshape(1))
         self.position.fill_(position)
         arena = self.model.experts.store.arena
+        arena.addressed = self.addressed
         arena.ahead_keys = {}  # an eager step may have run since the last guess
         fill_rows(self.model, self.token, self.x, self.per_layer)
         arena.compute = torch.cuda.current_stream(self.model.device)

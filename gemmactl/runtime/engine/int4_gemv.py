@@ -85,7 +85,16 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     kernel[(triton.cdiv(out_features, tile.rows), splits)](
         x.contiguous(), qweight, scales, zeros, y, out_features, in_features, groups, qweight.stride(0),
         scales.stride(0), per, BLOCK_N=tile.rows, BLOCK_G=tile.groups, GROUP=group, num_warps=tile.warps)
-    return y if splits == 1 else y.sum(0).to(x.dtype)
+    return y if splits == 1 else _parts_sum(y).to(x.dtype)
+
+
+def _parts_sum(parts: torch.Tensor) -> torch.Tensor:
+    """The K parts [splits, ...] added in a fixed order, one after another: the same bits whatever
+    the shape beside (one matrix or a layer's k), where a reduction's order could follow it."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
 
 
 @int4_gemv.register_fake
@@ -113,12 +122,7 @@ def grouped(x: torch.Tensor, addresses: torch.Tensor, out_features: int, in_feat
         x, stride_x, addresses, y, out_features, in_features, groups,
         groups * group_size // 2, groups, per, matrices, BLOCK_N=tile.rows, BLOCK_G=tile.groups, GROUP=group_size,
         num_warps=tile.warps)
-    if splits == 1:
-        return y[0]
-    total = y[0]
-    for part in y[1:]:  # in a fixed order, whatever the number of matrices
-        total = total + part
-    return total.to(x.dtype)
+    return y[0] if splits == 1 else _parts_sum(y).to(x.dtype)
 
 
 @grouped.register_fake
