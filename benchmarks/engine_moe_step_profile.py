@@ -9,7 +9,13 @@ into staging rows) and share: the model built on the GPU with every layer reside
 (the 4 GiB plan's room for a 26B-A4B shape, for instance), the step captured, 20 steps of random
 tokens to warm the cache, 60 timed, then 40 under cProfile (the host's functions by their own
 time: the router reads, the copies queued, the CPU kernel's products). Prints the step time, the
-cache's counters and the profile's top rows.
+cache's counters and the profile's top rows. With `--timeline N`, N more steps under torch's
+profiler with the device's activity: how long a step the link carried copies to the device, the
+device copied within itself, and kernels ran, each as the union of its intervals (so a step's
+share of each: is the step bound by the link, the GPU, or neither, i.e. the host). `--copies
+driver,torch` runs each mode with the arena's copies queued either way (device_copies.py), and
+`--read-ahead on,off` with a guessed miss read in its ahead row or copied into its row first;
+`--zipf S` skews the routers (benchmarks/skewed_router.py, synthetic).
 """
 
 from __future__ import annotations
@@ -33,15 +39,27 @@ def main() -> None:
     parser.add_argument("--shares", default="0,0.5", help="--expert-cpu-share values, comma-separated")
     parser.add_argument("--modes", default="pieces", help="GEMMACTL_ENGINE_MOE values, comma-separated")
     parser.add_argument("--rows", type=int, default=18, help="profile rows printed")
+    parser.add_argument("--copies", default="driver", help="GEMMACTL_ENGINE_COPIES values, comma-separated")
+    parser.add_argument("--read-ahead", default="on", help="on,off: whether a piece reads a guessed miss in its "
+                                                             "ahead row (off: copied into its row first)")
+    parser.add_argument("--timeline", type=int, default=0, help="steps under torch's profiler (0: none)")
+    parser.add_argument("--zipf", type=float, help="skew the routers: Zipf S over each layer's experts "
+                                                   "(benchmarks/skewed_router.py, synthetic)")
     args = parser.parse_args()
 
     import torch
 
     from gemmactl.formats.int4.reader import open_artifact
     from gemmactl.runtime.engine.expert_settings import ExpertSettings
+    from gemmactl.runtime.engine.device_copies import driver_copies
     from gemmactl.runtime.engine.graph import MOE_ENV, DecodeStep
     from gemmactl.runtime.engine.model import GemmaModel
 
+    if args.zipf is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from skewed_router import install
+
+        install(args.zipf)
     artifact = open_artifact(args.artifact)
     ids = torch.randint(0, 200000, (200,), generator=torch.Generator().manual_seed(0))
     for share in (float(s) for s in args.shares.split(",")):
@@ -49,8 +67,14 @@ def main() -> None:
         with torch.inference_mode():
             model = GemmaModel(artifact, device="cuda", dtype=torch.bfloat16, context=1024,
                                experts=ExpertSettings(cache_bytes=args.cache, cpu_share=share))
-        for mode in args.modes.split(","):  # one model, a step captured for each mode in turn
-            os.environ[MOE_ENV] = mode
+        arena = model.experts.store.arena
+        driver = driver_copies()
+        variants = [(m, c, r) for m in args.modes.split(",") for c in args.copies.split(",")
+                    for r in args.read_ahead.split(",")]
+        for mode, copies, read_ahead in variants:
+            os.environ[MOE_ENV] = mode  # one model, a step captured for each variant in turn
+            arena.driver = driver if copies == "driver" else None
+            arena.read_ahead = read_ahead == "on"
             step = DecodeStep(model)
             with torch.inference_mode():
                 for i in range(20):
@@ -69,17 +93,69 @@ def main() -> None:
                     step(ids[i:i + 1].cuda(), i)
                 torch.cuda.synchronize()
                 profiler.disable()
+                timeline = device_timeline(step, ids, 120, args.timeline) if args.timeline else None
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.rows)
             lookups = (stats["hits"] + stats["misses"]) - (before["hits"] + before["misses"])
             hits = stats["hits"] - before["hits"]
-            print(f"mode {mode} share {share}: expert_bytes {model.experts.store.expert_bytes} step "
+            print(f"mode {mode} copies {stats['copies']} read-ahead {read_ahead} share {share}: "
+                  f"expert_bytes {model.experts.store.expert_bytes} step "
                   f"{seconds * 1e3:.2f} ms ({1 / seconds:.1f} tok/s) hit {hits / max(lookups, 1):.3f} (timed steps) "
                   f"host {stats['host_share']} cap {stats['capacity_experts']} "
                   f"addressed {model.experts.store.arena.addressed}")
             print("\n".join(line for line in text.getvalue().splitlines() if line.strip()))
+            if timeline:
+                print("timeline a step, ms: " + " ".join(f"{name} {value:.2f}" for name, value in timeline.items()))
             del step
         del model
+
+
+def _union(intervals: list) -> float:
+    """The length of the union of (start, end) intervals."""
+    total, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
+
+
+def device_timeline(step, ids, first: int, count: int) -> dict:
+    """count steps (tokens ids[first:]) under torch's profiler; per step, in ms: the wall time, and
+    the union of the device's intervals of each kind (copies host → device, within the device,
+    kernels) and of all of them (the device busy at all)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(first, first + count):
+            step(ids[i:i + 1].cuda(), i)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kinds: dict = {"link": [], "within": [], "kernels": []}
+    for event in prof.events():
+        if str(getattr(event, "device_type", "")).split(".")[-1] != "CUDA":
+            continue
+        span = (event.time_range.start, event.time_range.end)  # µs
+        name = event.name.lower()
+        if "memcpy" in name and "htod" in name:
+            kinds["link"].append(span)
+        elif "memcpy" in name or "memset" in name:
+            kinds["within"].append(span)
+        else:
+            kinds["kernels"].append(span)
+    every = [span for spans in kinds.values() for span in spans]
+    out = {"wall": wall * 1e3 / count}
+    out.update({name: _union(spans) / 1e3 / count for name, spans in kinds.items()})
+    out["busy"] = _union(every) / 1e3 / count
+    out["copies"] = len(kinds["link"]) / count
+    return out
+
 
 if __name__ == "__main__":
     main()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gemmactl.runtime.engine import experts as experts_module
+from gemmactl.runtime.engine.device_copies import COPIES_ENV
 from gemmactl.runtime.engine.experts import ExpertCache, ExpertSettings, MissRule
 from test_engine import PROMPT, engine_greedy
 
@@ -110,8 +111,9 @@ def test_experts_copied_from_an_arena_give_the_same_tokens_and_logits(moe_artifa
                               arena=True)
     engine = _engine(moe_artifact, settings)
     arena, top_k = engine.experts.store.arena, engine.experts.top_k
-    capacity = max(0, slots - top_k) if prefetch else slots  # prefetch's ahead rows come out of the cache's room
-    assert arena is not None and arena.on_device.shape[0] == capacity + SCRATCH + top_k + (top_k if prefetch else 0)
+    # prefetch's ahead rows (two sets of top_k) come out of the cache's room
+    capacity = max(0, slots - 2 * top_k) if prefetch else slots
+    assert arena is not None and arena.on_device.shape[0] == capacity + SCRATCH + top_k + (2 * top_k if prefetch else 0)
     assert sum(chunk.shape[0] for chunk in arena.chunks) == len(store.records) and len(arena.chunks) > 1
     tokens, logits = engine_greedy(engine, PROMPT, STEPS, chunk=3)
     assert tokens == expected_tokens
@@ -220,32 +222,51 @@ def test_a_staged_step_with_prefetch_takes_guessed_misses_from_the_ahead_rows_an
     room = len(store.records) // 2 if slots == "half" else slots
 
     def decode(prefetch: bool):
-        cache = room if prefetch else max(0, room - top_k)  # the ahead rows come out of the cache's room
+        cache = room if prefetch else max(0, room - 2 * top_k)  # the ahead rows come out of the cache's room
         engine = _staged_engine(moe_artifact, ExpertSettings(cache_bytes=cache * store.expert_bytes, policy=policy,
                                                              miss="copy", prefetch=prefetch, arena=True), addressed)
         for block in engine.experts.blocks:
             block.prefetch = False  # the prompt's eager steps alike in both (no copies into the cache ahead)
+        arena, move = engine.experts.store.arena, engine.experts.store.arena.move
+        read_ahead = {"rows": 0, "later": 0}
+
+        def counted(moves, rows=None, target=None, later=()):
+            first, end = arena.ahead, arena.ahead + 2 * arena.ahead_count
+            read_ahead["rows"] += sum(first <= row < end for row in rows or ())
+            read_ahead["later"] += len(later)
+            move(moves, rows, target, later)
+
+        arena.move = counted
+
         def experts_of(call):
             block = call.block
             guess = block.next.route(call.residual)[1] if prefetch and block.next is not None else None
-            guessed = block.stage(call.experts, guess)
+            # as a captured step reads them: the choice and the guess side by side, at once
+            choice = torch.cat((call.experts, guess), dim=1) if guess is not None else None
+            guessed = block.stage(call.experts, guess, None, choice)
             if guessed is not None:
                 block.next.stage_ahead(guessed)
             return block.staged_sum(call.x, call.weights, call.experts)
 
         tokens, logits = _decode(engine, experts_of)
-        return tokens, logits, {**engine.experts.stats(), "decode_bytes": engine.experts.counters.decode_bytes}
+        return tokens, logits, {**engine.experts.stats(), "decode_bytes": engine.experts.counters.decode_bytes,
+                                **read_ahead}
 
     (tokens, logits, stats), (ahead_tokens, ahead_logits, ahead_stats) = decode(False), decode(True)
     assert ahead_tokens == tokens
     assert torch.equal(ahead_logits, logits)
     for key in ("hits", "misses", "copied", "capacity_experts"):
         assert ahead_stats[key] == stats[key], key
-    assert ahead_stats["capacity_experts"] == max(0, room - top_k)
+    assert ahead_stats["capacity_experts"] == max(0, room - 2 * top_k)
     assert 0 < ahead_stats["prefetch_hits"] <= ahead_stats["prefetched"]
     # A decoded miss crosses the link once, ahead or at its layer; a wrong guess crosses for nothing.
     assert ahead_stats["decode_bytes"] == stats["decode_bytes"] + store.stored_bytes * (
         ahead_stats["prefetched"] - ahead_stats["prefetch_hits"])
+    # Addressed, a guessed miss is read in its ahead row, and copied on into its slot (if the cache
+    # keeps it) after what the next piece waits for; copied, it goes through the staging rows.
+    assert ahead_stats["rows"] == (ahead_stats["prefetch_hits"] if addressed else 0)
+    assert (ahead_stats["later"] > 0) == (addressed and ahead_stats["capacity_experts"] > 0)
+    assert ahead_stats["later"] <= ahead_stats["rows"] and stats["rows"] == stats["later"] == 0
 
 
 @pytest.mark.parametrize("share", [0.5, 1.0])
@@ -372,7 +393,8 @@ def test_the_whole_step_asked_for_with_homed_experts_says_why_the_pieces_run(mon
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["table", "pieces", "pieces-prefetch", "pieces-homed", "copies", "copies-prefetch"])
+@pytest.mark.parametrize("mode", ["table", "pieces", "pieces-prefetch", "pieces-homed", "copies", "copies-prefetch",
+                                  "pieces-prefetch-torch"])
 def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mode):
     """On CUDA: (pieces, the default) graphs cut after each MoE layer's router, the misses copied
     into their rows between replays and each chosen expert read in its row (copies: every chosen
@@ -383,7 +405,8 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
     logits bit for bit. (pieces-prefetch: the pieces, each also guessing the next layer's
     experts, copied into the ahead rows while the next piece computes; pieces-homed: with prefetch,
     half of each layer's experts homed on the host, computed there between the pieces, their
-    outputs crossing in place of their staging rows: the same tokens whatever the cache.)"""
+    outputs crossing in place of their staging rows: the same tokens whatever the cache;
+    -torch: the arena's copies queued by torch's copy_ rather than the driver's calls.)"""
     from gemmactl.runtime.engine.graph import DecodeStep
     from gemmactl.runtime.engine.graph_moe import PiecewiseDecode, TableDecode
     from gemmactl.runtime.engine.kernels import int4_groups_kept
@@ -392,8 +415,10 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
     if mode == "table" and not int4_groups_kept(expert=True):
         pytest.skip("the table step needs the experts in the Triton kernels' layout (Triton missing)")
     monkeypatch.setenv("GEMMACTL_ENGINE_GRAPH", "auto")
-    prefetch = mode in ("pieces-prefetch", "pieces-homed", "copies-prefetch")
-    share = 0.5 if mode == "pieces-homed" else None
+    parts = mode.split("-")
+    prefetch = "prefetch" in parts or "homed" in parts
+    share = 0.5 if "homed" in parts else None
+    monkeypatch.setenv(COPIES_ENV, "torch" if "torch" in parts else "driver")
     first = None
     monkeypatch.setenv("GEMMACTL_ENGINE_MOE", mode.split("-")[0])
     expert_bytes = None
@@ -417,6 +442,7 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
             assert tokens == first, (slots, policy)
         stats = engine.experts.stats()
         assert (stats["host_share"] > 0) == bool(share)
+        assert stats["copies"] == ("torch" if "torch" in parts else "driver")  # libcuda opens on a GPU machine
         assert stats["copied"] == stats["misses"] and (slots != 0 or stats["hits"] == 0)
         assert stats["hits"] + stats["misses"] > 0
         if prefetch and slots is not None:  # guessed misses came from the ahead rows

@@ -24,9 +24,13 @@ a hit is a copy within the device (about 2 µs for a 26B-A4B expert on an H200, 
 card's 200 GB/s), a miss a copy over the link and, where the cache keeps it, one more into its
 slot. The addressed step makes fewer copies, each from the host between pieces the GPU waits for:
 460 copy calls a token against 672 on an H100 with a uniform router (docs/benchmarks.md).
-With prefetch, `ahead` rows (top_k more, taken from the cache's room) receive the next MoE layer's
-guessed experts while the graph computes, and its misses that were guessed are then copied from
-there within the device (into their slot or staging row).
+With prefetch, `ahead` rows (two sets of top_k, taken from the cache's room) receive the next MoE
+layer's guessed experts while the graph computes, one set for one MoE layer, the other for the
+next, in turn. Addressed, the next piece reads a guessed miss in its ahead row, and its copy into
+its cache slot is queued after the copies that piece waits for, so it runs beside the piece; the
+next layer's guesses go to the other set meanwhile, and this set is written again only two layers
+on, after the host has seen that piece end. Otherwise a guessed miss is copied from its ahead row
+within the device into its staging row (and slot) before the piece.
 
 Experts homed on the host (ExpertStore.set_homes) have no row here: they are computed on the host
 and never copied. A captured step takes their outputs instead: the host writes each into its
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import torch
 
+from gemmactl.runtime.engine.device_copies import driver_copies
 from gemmactl.runtime.engine.expert_settings import EXPERT_SCRATCH_ROWS as SCRATCH
 from gemmactl.runtime.engine.ops import expert_forward, gated
 
@@ -83,9 +88,11 @@ class ExpertArena:
             self._write(row, template if key == first else store.linears(key, self.device))
         self.capacity, self.staging = capacity, capacity + SCRATCH  # the first staging row
         self.ahead = self.staging + staging  # the first of the rows a captured step's prefetch fills
-        self.ahead_count = ahead
+        self.ahead_count = ahead  # rows in each of the two sets
+        self._ahead_set = 0  # the set the last prefetch filled
+        self.read_ahead = True  # addressed: a piece reads a guessed miss in its ahead row (False: copied first; measurements)
         self.ahead_keys: dict = {}  # key → ahead row: the next MoE layer's guessed experts, copies queued
-        rows = capacity + SCRATCH + staging + ahead
+        rows = capacity + SCRATCH + staging + 2 * ahead
         self.on_device = torch.empty((rows, self.row_bytes), dtype=torch.uint8, device=self.device)
         self.views = [self._linears(self.on_device[i]) for i in range(rows)]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -95,6 +102,12 @@ class ExpertArena:
         self.graph_done = None  # after the last whole-step graph, which may read any slot (graph_moe.TableDecode)
         self.device_rows = [self.on_device[i] for i in range(rows)]
         self.host_rows = [self.host_row(i) for i in range(len(keys))]
+        # The copies between rows: the driver's, on addresses, where it runs (device_copies: a
+        # few µs of host time each against torch's copy_'s ten); the rows live as long as the arena.
+        self.driver = driver_copies() if self.cuda else None
+        self.host_ptrs = [row.data_ptr() for row in self.host_rows]
+        self.base = self.on_device.data_ptr()
+        self.stream_handle = self.stream.cuda_stream if self.cuda else 0
         self._scratch = 0
         # The addressed step (module docstring): the rows the next piece reads, written from a
         # pinned buffer; each row's tensors at (the device rows' base + row · row_bytes + offset).
@@ -158,16 +171,15 @@ class ExpertArena:
         if not self.cuda:
             self.on_device[row].copy_(source)
             return
-        with torch.cuda.stream(self.stream):
-            if self.freed[row] is not None:
-                self.stream.wait_event(self.freed[row])
-            if self.graph_done is not None:
-                self.stream.wait_event(self.graph_done)
-            if self.staging_freed is not None:  # the last captured piece, which may read any slot (addressed)
-                self.stream.wait_event(self.staging_freed)
-            self.on_device[row].copy_(source, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+        stream = self.stream
+        # After the row's last eager reader, the last whole-step graph and the last captured piece
+        # (each may read any slot: graph_moe.TableDecode, the addressed step).
+        for event in (self.freed[row], self.graph_done, self.staging_freed):
+            if event is not None:
+                stream.wait_event(event)
+        self._copies([(key, row)])
+        done = torch.cuda.Event()
+        done.record(stream)
         self.ready[row] = done
 
     def addresses(self, row: int, on_device: bool) -> list:
@@ -204,45 +216,76 @@ class ExpertArena:
     def _compute_stream(self):
         return self.compute if self.compute is not None else torch.cuda.current_stream(self.device)
 
-    def move(self, moves: list, rows: list | None = None, target: torch.Tensor | None = None) -> None:
+    def move(self, moves: list, rows: list | None = None, target: torch.Tensor | None = None,
+             later: list = ()) -> None:
         """A captured step's copies for one MoE layer, in order, in one go: (source, row) pairs, a
         source being an expert's key (its host row, over the link) or a device row; then, for the
         addressed step, rows (the k rows its experts are read from, ascending expert order) into
         target, the device tensor the next piece reads them from. Then the compute stream waits for
-        all of them. No event per copy: the host runs this between two graphs, for every MoE layer
-        of every token, so its cost is the step's (one stream switch, the waits a row needs, one
-        event)."""
+        all of them. later: more (device row, row) copies, queued after that wait is set, so the
+        next piece does not wait for them (guessed misses into their cache slots, read by the piece
+        in their ahead rows). No event per copy: the host runs this between two graphs, for every
+        MoE layer of every token, so its cost is the step's (the waits a row needs, the copies, an
+        event or two)."""
         device_rows = self.device_rows
         if rows is not None:
             self.rows_numpy[:len(rows)] = rows  # free: the last copy from it ran before the host's wait
         if not self.cuda:
-            for source, row in moves:
+            for source, row in [*moves, *later]:
                 device_rows[row].copy_(self.host_rows[self.rows[source]] if isinstance(source, tuple)
                                        else device_rows[source])
             if rows is not None:
                 target.copy_(self.rows_pinned[:len(rows)])
             return
-        compute = self._compute_stream()
-        torch.cuda.set_stream(self.stream)  # not `with torch.cuda.stream`: it asks for the current stream again
-        try:
-            if self.staging_freed is not None:  # the last graph that read the staging rows
-                self.stream.wait_event(self.staging_freed)
-            for source, row in moves:
-                if self.freed[row] is not None:  # a cache slot an eager step read
-                    self.stream.wait_event(self.freed[row])
-                    self.freed[row] = None
-                device_rows[row].copy_(self.host_rows[self.rows[source]] if isinstance(source, tuple)
-                                       else device_rows[source], non_blocking=True)
-            if rows is not None:
-                target.copy_(self.rows_pinned[:len(rows)], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        finally:
-            torch.cuda.set_stream(compute)
+        compute, stream = self._compute_stream(), self.stream
+        if self.staging_freed is not None:  # the last graph that read the staging rows
+            stream.wait_event(self.staging_freed)
+        for _, row in [*moves, *later]:
+            if self.freed[row] is not None:  # a cache slot an eager step read
+                stream.wait_event(self.freed[row])
+                self.freed[row] = None
+        self._copies(moves, (target, self.rows_pinned, len(rows)) if rows is not None else None)
+        done = torch.cuda.Event()
+        done.record(stream)
+        compute.wait_event(done)
         for _, row in moves:
             if row < self.staging:  # a cache slot: an eager step reading it waits for this
                 self.ready[row] = done
-        compute.wait_event(done)
+        if later:
+            self._copies(later)
+            landed = torch.cuda.Event()
+            landed.record(stream)
+            for _, row in later:  # a later piece waits for a later move's event, recorded after these
+                self.ready[row] = landed
+
+    def _copies(self, pairs: list, numbers: tuple | None = None) -> None:
+        """Queue on the copy stream, in order, a copy into each device row from its source, pairs
+        (source, row): an expert's key (its pinned host row, over the link) or a device row; then
+        numbers (target, pinned, count): count int64s from pinned into device tensor target. The
+        driver's copies take the stream as an argument; torch's run on the current stream, so for
+        them the copy stream is made current meanwhile (set_stream, not `with torch.cuda.stream`,
+        which asks for the current stream again)."""
+        driver = self.driver
+        if driver is not None:
+            base, size, handle, host = self.base, self.row_bytes, self.stream_handle, self.host_ptrs
+            for source, row in pairs:
+                driver(base + row * size, host[self.rows[source]] if isinstance(source, tuple) else base + source * size,
+                       size, handle)
+            if numbers is not None:
+                target, pinned, count = numbers
+                driver(target.data_ptr(), pinned.data_ptr(), count * pinned.element_size(), handle)
+            return
+        compute, rows = self._compute_stream(), self.device_rows
+        torch.cuda.set_stream(self.stream)
+        try:
+            for source, row in pairs:
+                rows[row].copy_(self.host_rows[self.rows[source]] if isinstance(source, tuple) else rows[source],
+                                non_blocking=True)
+            if numbers is not None:
+                target, pinned, count = numbers
+                target[:count].copy_(pinned[:count], non_blocking=True)
+        finally:
+            torch.cuda.set_stream(compute)
 
     def rows_forward(self, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The k experts read in device rows rows [k] (move's target) on one token x [1, H] → [k, H],
@@ -273,8 +316,12 @@ class ExpertArena:
     def prefetch(self, keys: list) -> None:
         """Copy the experts keys over the link into the ahead rows, after every copy queued so far
         and without making the compute stream wait: they land while the next piece computes, and
-        the next layer's move() (same stream, so after them) takes those it needs from there."""
-        self.ahead_keys = {key: self.ahead + j for j, key in enumerate(keys[:self.ahead_count])}
+        the next layer's move() (same stream, so after them) takes those it needs from there. The
+        two sets of ahead rows in turn (module docstring): the set filled here was read last by the
+        piece before the one that just ended."""
+        self._ahead_set ^= 1
+        first = self.ahead + self._ahead_set * self.ahead_count
+        self.ahead_keys = {key: first + j for j, key in enumerate(keys[:self.ahead_count])}
         rows = self.device_rows
         if not self.cuda:
             for key, row in self.ahead_keys.items():
@@ -282,13 +329,7 @@ class ExpertArena:
             return
         if not self.ahead_keys:
             return
-        compute = self._compute_stream()
-        torch.cuda.set_stream(self.stream)
-        try:
-            for key, row in self.ahead_keys.items():
-                rows[row].copy_(self.host_rows[self.rows[key]], non_blocking=True)
-        finally:
-            torch.cuda.set_stream(compute)
+        self._copies(list(self.ahead_keys.items()))
 
     def send_host_outputs(self, outputs: bool = True) -> None:
         """Queue the flags and (outputs: some expert was homed) the homed experts' outputs to the

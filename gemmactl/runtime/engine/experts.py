@@ -479,12 +479,14 @@ class MoEBlock:
         return out
 
     def stage(self, experts: torch.Tensor, guess: torch.Tensor | None = None,
-              x: torch.Tensor | None = None) -> list | None:
+              x: torch.Tensor | None = None, choice: torch.Tensor | None = None) -> list | None:
         """For one token's step captured in graphs (runtime/engine/graph_moe.py): make the experts
         the router chose (experts [1, k]) ready for staged_sum, in ascending order. The cache is
         looked up and filled as combine() does. Addressed (arena.addressed), a hit is read where it
         lies and a miss crosses the link into its slot (or, where the cache does not keep it, its
-        staging row), and the k rows go to the device for staged_sum (self.staged_rows); otherwise every
+        staging row), a miss guessed a layer ahead (stage_ahead) is read in the ahead row it
+        landed in and copied on into its slot beside the next piece, not before it, and the k rows
+        go to the device for staged_sum (self.staged_rows); otherwise every
         expert is copied into its staging row: a hit from its slot, a miss over the link and, where
         the cache keeps it, on into its slot. An expert homed on the host (ExpertStore.set_homes)
         is computed there from x [1, H] (the experts' input) while the copies cross, and its output
@@ -493,16 +495,23 @@ class MoEBlock:
 
         guess [1, k]: the next MoE layer's experts as guessed in the same piece; returned as a list
         for stage_ahead, read here before the copies are queued (once they are, reading a device
-        tensor would wait for them)."""
+        tensor would wait for them). choice [1, 2k]: experts and guess side by side, made in the
+        same piece, read in one go where given (each read of a device tensor is a copy and a wait)."""
         store, cache, counters, arena = self.store, self.cache, self.counters, self.store.arena
-        order = sorted(experts[0].tolist())  # waits for the router: the copies depend on its choice
-        guessed = guess[0].tolist() if guess is not None else None
+        # Waits for the router: the copies depend on its choice.
+        if choice is not None and guess is not None:
+            both = choice[0].tolist()
+            order, guessed = sorted(both[:self.top_k]), both[self.top_k:]
+        else:
+            order = sorted(experts[0].tolist())
+            guessed = guess[0].tolist() if guess is not None else None
         held = {(self.layer, expert) for expert in order}
         counters.tokens += 1
         counters.decode_tokens += 1
         before = counters.copied_bytes
         addressed = arena.addressed
         moves, homed, rows = [], [], []  # rows: where the addressed step reads each expert
+        later = []  # addressed: guessed misses into their slots, beside the next piece (which reads their ahead rows)
         for j, expert in enumerate(order):
             key, row = (self.layer, expert), arena.staging + j
             slot = self._lookup(key)
@@ -525,7 +534,11 @@ class MoEBlock:
                 counters.copied_bytes += store.stored_bytes
                 source = key
             slot, _ = cache.admit(key, keep=held)
-            if addressed:
+            if addressed and ahead is not None and arena.read_ahead:  # read where it landed; its slot filled off the step's path
+                rows.append(ahead)
+                if slot is not None:
+                    later.append((ahead, slot))
+            elif addressed:
                 rows.append(row if slot is None else slot)
                 moves.append((source, rows[-1]))
             else:
@@ -541,7 +554,7 @@ class MoEBlock:
                 raise ValueError("a staged step with experts homed on the host needs their input x")
             host_x = x.to("cpu")
         if addressed:
-            arena.move(moves, rows, self.staged_rows)  # first, so the link works while the host computes
+            arena.move(moves, rows, self.staged_rows, later)  # first, so the link works while the host computes
         else:
             arena.move(moves)
         if arena.host_out is not None:
@@ -659,10 +672,10 @@ class MoEExperts:
         if settings.arena if settings.arena is not None else self.store.device.type == "cuda":
             from gemmactl.runtime.engine.expert_arena import ExpertArena
 
-            # Prefetch's ahead rows come out of the cache's room (so the plan's budget holds);
-            # with room for every expert there is nothing to fetch ahead.
+            # Prefetch's ahead rows (two sets of top_k: expert_arena.py) come out of the cache's
+            # room (so the plan's budget holds); with room for every expert there is nothing to fetch ahead.
             ahead = self.top_k if settings.prefetch and capacity < total else 0
-            capacity = max(0, capacity - ahead)
+            capacity = max(0, capacity - 2 * ahead)
             self.cache = ExpertCache(capacity, settings.policy)
             self.store.rows.count = capacity
             self.store.arena = ExpertArena(self.store, capacity, staging=self.top_k, ahead=ahead,
@@ -854,4 +867,7 @@ def summarize(cache: ExpertCache, counters: ExpertCounters, store: ExpertStore) 
             "cache_bytes": cache.capacity * store.expert_bytes, "copied": counters.copied,
             "link_bytes_per_token": round(per_token),
             "link_bytes_per_decode_token": None if per_decode is None else round(per_decode),
-            "host_share": round(counters.host_computed / uses, 4)}
+            "host_share": round(counters.host_computed / uses, 4),
+            # how the arena's copies are queued (device_copies): the driver's calls or torch's copy_
+            "copies": None if store.arena is None or not store.arena.cuda else
+            "driver" if store.arena.driver is not None else "torch"}

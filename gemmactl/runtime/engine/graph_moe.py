@@ -81,6 +81,7 @@ class PiecewiseDecode:
             block = call.block
             if block.prefetch and block.next is not None and block.store.arena.ahead_count:
                 call.guess = block.next.route(call.residual)[1]  # the next layer's guess, in this graph
+                call.choice = torch.cat((call.experts, call.guess), dim=1)  # so the host reads both at once
             end()
             self.calls.append(call)
             begin()
@@ -120,7 +121,7 @@ class PiecewiseDecode:
                         arena.release_staging()  # graph i read the staging rows
                     if i < len(self.calls):
                         call = self.calls[i]
-                        guessed = call.block.stage(call.experts, call.guess, call.x)
+                        guessed = call.block.stage(call.experts, call.guess, call.x, call.choice)
                         if guessed is not None:  # behind this layer's copies, which graph i+1 waits for
                             call.block.next.stage_ahead(guessed)
         finally:

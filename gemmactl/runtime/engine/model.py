@@ -52,6 +52,7 @@ class ExpertCall:
     weights: torch.Tensor
     experts: torch.Tensor
     guess: torch.Tensor | None = None  # [T, k]: the next MoE layer's router on this residual (a captured step's prefetch)
+    choice: torch.Tensor | None = None  # [1, 2k]: experts and guess side by side (a captured step's host reads both at once)
 
     def run(self) -> torch.Tensor:
         return self.block.combine(self.x, self.residual, self.weights, self.experts)
