@@ -12,7 +12,8 @@ time: the router reads, the copies queued, the CPU kernel's products). Prints th
 cache's counters and the profile's top rows. With `--timeline N`, N more steps under torch's
 profiler with the device's activity: how long a step the link carried copies to the device, the
 device copied within itself, and kernels ran, each as the union of its intervals (so a step's
-share of each: is the step bound by the link, the GPU, or neither, i.e. the host). `--copies
+share of each: is the step bound by the link, the GPU, or neither, i.e. the host), and with
+`--kernels N` the top N kernels and copies by device time. `--copies
 driver,torch` runs each mode with the arena's copies queued either way (device_copies.py), and
 `--read-ahead on,off` with a guessed miss read in its ahead row or copied into its row first;
 `--zipf S` skews the routers (benchmarks/skewed_router.py, synthetic).
@@ -43,6 +44,8 @@ def main() -> None:
     parser.add_argument("--read-ahead", default="on", help="on,off: whether a piece reads a guessed miss in its "
                                                              "ahead row (off: copied into its row first)")
     parser.add_argument("--timeline", type=int, default=0, help="steps under torch's profiler (0: none)")
+    parser.add_argument("--kernels", type=int, default=0,
+                        help="with --timeline: print the device's top N kernels and copies by time (0: none)")
     parser.add_argument("--zipf", type=float, help="skew the routers: Zipf S over each layer's experts "
                                                    "(benchmarks/skewed_router.py, synthetic)")
     args = parser.parse_args()
@@ -93,7 +96,7 @@ def main() -> None:
                     step(ids[i:i + 1].cuda(), i)
                 torch.cuda.synchronize()
                 profiler.disable()
-                timeline = device_timeline(step, ids, 120, args.timeline) if args.timeline else None
+                timeline = device_timeline(step, ids, 120, args.timeline, args.kernels) if args.timeline else None
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.rows)
             lookups = (stats["hits"] + stats["misses"]) - (before["hits"] + before["misses"])
@@ -105,7 +108,10 @@ def main() -> None:
                   f"addressed {model.experts.store.arena.addressed}")
             print("\n".join(line for line in text.getvalue().splitlines() if line.strip()))
             if timeline:
+                table = timeline.pop("table", None)
                 print("timeline a step, ms: " + " ".join(f"{name} {value:.2f}" for name, value in timeline.items()))
+                if table:
+                    print(table)
             del step
         del model
 
@@ -123,10 +129,11 @@ def _union(intervals: list) -> float:
     return total
 
 
-def device_timeline(step, ids, first: int, count: int) -> dict:
+def device_timeline(step, ids, first: int, count: int, kernels: int = 0) -> dict:
     """count steps (tokens ids[first:]) under torch's profiler; per step, in ms: the wall time, and
     the union of the device's intervals of each kind (copies host → device, within the device,
-    kernels) and of all of them (the device busy at all)."""
+    kernels) and of all of them (the device busy at all); with kernels, also "table": the top
+    `kernels` kernels and copies by device time over the count steps."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -154,6 +161,9 @@ def device_timeline(step, ids, first: int, count: int) -> dict:
     out.update({name: _union(spans) / 1e3 / count for name, spans in kinds.items()})
     out["busy"] = _union(every) / 1e3 / count
     out["copies"] = len(kinds["link"]) / count
+    if kernels:
+        out["table"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=kernels,
+                                                 max_name_column_width=70)
     return out
 
 

@@ -2,12 +2,12 @@
 
 Between two pieces of a captured MoE step (runtime/engine/graph_moe.py) the host queues a copy for
 each missed expert, and with prefetch one for each guessed one: about 460 a token on a 26B-A4B
-shape with a uniform router, while the GPU waits for the host. torch's `copy_` costs about 10 µs
-of host time each there (argument parsing, dispatch, a stream switch around it, and an event its
-pinned-memory allocator records so the memory is not reused while the copy runs), about 4.6 ms a
-token (docs/benchmarks.md). The driver's own `cuMemcpyAsync`, reached through ctypes, does the
-same copy for a few µs. It copies between addresses, so it is used only for memory whose owner
-outlives every copy queued on it: the expert arena's pinned host rows and device rows, which live
+shape with a uniform router, while the GPU waits for the host. torch's `copy_` costs 16.5 µs of
+host time a call there under the profiler on an H100 machine (argument parsing, dispatch, a stream
+switch around it, and an event its pinned-memory allocator records so the memory is not reused
+while the copy runs); the driver's own `cuMemcpyAsync`, reached through ctypes, 7.5, which made
+the step 1.31–1.41× faster (docs/benchmarks.md). It copies between addresses, so it is used only
+for memory whose owner outlives every copy queued on it: the expert arena's pinned host rows and device rows, which live
 as long as the model (runtime/engine/expert_arena.py). The driver is the one torch itself runs on
 (libcuda, loaded by the CUDA runtime before any of this), and the stream handles are torch's.
 
