@@ -15,7 +15,9 @@ device copied within itself, and kernels ran, each as the union of its intervals
 share of each: is the step bound by the link, the GPU, or neither, i.e. the host), and with
 `--kernels N` the top N kernels and copies by device time. `--copies
 driver,torch` runs each mode with the arena's copies queued either way (device_copies.py), and
-`--read-ahead on,off` with a guessed miss read in its ahead row or copied into its row first;
+`--read-ahead on,off` with a guessed miss read in its ahead row or copied into its row first,
+`--ahead-after off,on` with the next layer's guessed copies queued before the next piece's launch
+or after it;
 `--zipf S` skews the routers (benchmarks/skewed_router.py, synthetic).
 """
 
@@ -43,6 +45,8 @@ def main() -> None:
     parser.add_argument("--copies", default="driver", help="GEMMACTL_ENGINE_COPIES values, comma-separated")
     parser.add_argument("--read-ahead", default="on", help="on,off: whether a piece reads a guessed miss in its "
                                                              "ahead row (off: copied into its row first)")
+    parser.add_argument("--ahead-after", default="off", help="off,on: the next layer's guessed copies queued "
+                                                              "before the next piece's launch, or after it")
     parser.add_argument("--timeline", type=int, default=0, help="steps under torch's profiler (0: none)")
     parser.add_argument("--kernels", type=int, default=0,
                         help="with --timeline: print the device's top N kernels and copies by time (0: none)")
@@ -72,13 +76,15 @@ def main() -> None:
                                experts=ExpertSettings(cache_bytes=args.cache, cpu_share=share))
         arena = model.experts.store.arena
         driver = driver_copies()
-        variants = [(m, c, r) for m in args.modes.split(",") for c in args.copies.split(",")
-                    for r in args.read_ahead.split(",")]
-        for mode, copies, read_ahead in variants:
+        variants = [(m, c, r, a) for m in args.modes.split(",") for c in args.copies.split(",")
+                    for r in args.read_ahead.split(",") for a in args.ahead_after.split(",")]
+        for mode, copies, read_ahead, after in variants:
             os.environ[MOE_ENV] = mode  # one model, a step captured for each variant in turn
             arena.driver = driver if copies == "driver" else None
             arena.read_ahead = read_ahead == "on"
             step = DecodeStep(model)
+            if hasattr(step.graph, "ahead_after_launch"):
+                step.graph.ahead_after_launch = after == "on"
             with torch.inference_mode():
                 for i in range(20):
                     step(ids[i:i + 1].cuda(), i)
@@ -101,7 +107,7 @@ def main() -> None:
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.rows)
             lookups = (stats["hits"] + stats["misses"]) - (before["hits"] + before["misses"])
             hits = stats["hits"] - before["hits"]
-            print(f"mode {mode} copies {stats['copies']} read-ahead {read_ahead} share {share}: "
+            print(f"mode {mode} copies {stats['copies']} read-ahead {read_ahead} ahead-after {after} share {share}: "
                   f"expert_bytes {model.experts.store.expert_bytes} step "
                   f"{seconds * 1e3:.2f} ms ({1 / seconds:.1f} tok/s) hit {hits / max(lookups, 1):.3f} (timed steps) "
                   f"host {stats['host_share']} cap {stats['capacity_experts']} "

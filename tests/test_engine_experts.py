@@ -394,7 +394,7 @@ def test_the_whole_step_asked_for_with_homed_experts_says_why_the_pieces_run(mon
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["table", "pieces", "pieces-prefetch", "pieces-homed", "copies", "copies-prefetch",
-                                  "pieces-prefetch-torch"])
+                                  "pieces-prefetch-torch", "pieces-prefetch-after"])
 def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mode):
     """On CUDA: (pieces, the default) graphs cut after each MoE layer's router, the misses copied
     into their rows between replays and each chosen expert read in its row (copies: every chosen
@@ -406,7 +406,8 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
     experts, copied into the ahead rows while the next piece computes; pieces-homed: with prefetch,
     half of each layer's experts homed on the host, computed there between the pieces, their
     outputs crossing in place of their staging rows: the same tokens whatever the cache;
-    -torch: the arena's copies queued by torch's copy_ rather than the driver's calls.)"""
+    -torch: the arena's copies queued by torch's copy_ rather than the driver's calls; -after: the
+    next layer's guessed copies queued after the next piece's launch.)"""
     from gemmactl.runtime.engine.graph import DecodeStep
     from gemmactl.runtime.engine.graph_moe import PiecewiseDecode, TableDecode
     from gemmactl.runtime.engine.kernels import int4_groups_kept
@@ -433,6 +434,7 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
             assert isinstance(step.graph, TableDecode)
         else:
             assert isinstance(step.graph, PiecewiseDecode)
+            step.graph.ahead_after_launch = "after" in parts
             assert engine.experts.store.arena.addressed == (mode.startswith("pieces") and int4_groups_kept(expert=True))
             assert len(step.graph.graphs) == len(step.graph.calls) + 1 == sum(1 for layer in engine.layers if layer.moe) + 1
         tokens, _ = engine_greedy(engine, PROMPT, STEPS, decoder=step)

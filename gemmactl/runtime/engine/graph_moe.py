@@ -51,6 +51,11 @@ class PiecewiseDecode:
             self.x, self.per_layer = model.embed_tokens(self.token)  # the graphs' static inputs
         self.graphs: list = []
         self.calls: list = []  # the ExpertCall each graph but the last ends with (its static tensors)
+        # Queue the next layer's guessed copies after the next graph's launch rather than before it,
+        # so the host's work for them runs while the GPU computes (its set of ahead rows is not the
+        # one that graph reads). Off by default until measured on a GPU (benchmarks/engine_moe_step_profile.py
+        # --ahead-after on,off).
+        self.ahead_after_launch = False
         self._capture()
 
     def _capture(self) -> None:
@@ -115,14 +120,20 @@ class PiecewiseDecode:
         arena.compute = torch.cuda.current_stream(self.model.device)
         try:
             with torch.inference_mode():
+                pending = None  # (block, guess) whose copies wait for the next launch (ahead_after_launch)
                 for i, graph in enumerate(self.graphs):
                     graph.replay()
                     if i:
                         arena.release_staging()  # graph i read the staging rows
+                    if pending is not None:
+                        pending[0].stage_ahead(pending[1])
+                        pending = None
                     if i < len(self.calls):
                         call = self.calls[i]
                         guessed = call.block.stage(call.experts, call.guess, call.x, call.choice)
-                        if guessed is not None:  # behind this layer's copies, which graph i+1 waits for
+                        if guessed is not None and self.ahead_after_launch:
+                            pending = (call.block.next, guessed)
+                        elif guessed is not None:  # behind this layer's copies, which graph i+1 waits for
                             call.block.next.stage_ahead(guessed)
         finally:
             arena.compute = None
