@@ -74,3 +74,30 @@ def test_gpu_driver_copies_land_as_torch_copies_do(monkeypatch):
     assert torch.equal(device[0].cpu(), host[2]) and torch.equal(device[1].cpu(), host[2])
     assert not device[2].any()
     assert target.tolist() == [5, 7, 11]
+
+
+def test_a_refused_driver_copy_and_those_after_it_go_through_torch(monkeypatch):
+    """ExpertArena._copies: a driver call that fails queues nothing, so that copy and the rest are
+    made by torch's copy_, and the arena keeps to torch's from then on (here the host's tensors
+    stand in for the device's, and the driver is a stand-in that refuses its second call)."""
+    import types
+
+    from gemmactl.runtime.engine.expert_arena import ExpertArena
+
+    calls = []
+
+    def driver(dst, src, nbytes, stream):
+        calls.append((dst, src, nbytes))
+        if len(calls) == 2:
+            raise CopyError("cuMemcpyAsync failed with CUDA driver error 201")
+
+    device = [torch.zeros(4, dtype=torch.uint8) for _ in range(4)]
+    host = [torch.full((4,), key + 1, dtype=torch.uint8) for key in range(3)]
+    arena = types.SimpleNamespace(driver=driver, base=1 << 20, row_bytes=4, stream_handle=0,
+                                  host_ptrs=[1 << 30, 2 << 30, 3 << 30], rows={(0, key): key for key in range(3)},
+                                  device_rows=device, host_rows=host, stream=None, _compute_stream=lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+    ExpertArena._copies(arena, [((0, 0), 0), ((0, 1), 1), ((0, 2), 2), (2, 3)])
+    assert calls == [((1 << 20) + 0, 1 << 30, 4), ((1 << 20) + 4, 2 << 30, 4)] and arena.driver is None
+    assert not device[0].any()  # "queued" by the stand-in, which copies nothing
+    assert torch.equal(device[1], host[1]) and torch.equal(device[2], host[2]) and torch.equal(device[3], host[2])

@@ -89,7 +89,7 @@ def test_every_cache_size_policy_and_miss_path_gives_the_same_tokens_and_logits(
 
 
 @pytest.mark.parametrize("policy, slots, prefetch", [
-    ("lru", 0, False), ("lru", 1, False), ("lru", 3, False), ("lfu", "quarter", False), ("hot", 3, True),
+    ("lru", 0, False), ("lru", 1, False), ("lru", 3, False), ("lfu", "quarter", False), ("hot", 7, True),
 ])
 def test_experts_copied_from_an_arena_give_the_same_tokens_and_logits(moe_artifact, monkeypatch, policy, slots,
                                                                        prefetch):
@@ -228,11 +228,13 @@ def test_a_staged_step_with_prefetch_takes_guessed_misses_from_the_ahead_rows_an
         for block in engine.experts.blocks:
             block.prefetch = False  # the prompt's eager steps alike in both (no copies into the cache ahead)
         arena, move = engine.experts.store.arena, engine.experts.store.arena.move
-        read_ahead = {"rows": 0, "later": 0}
+        read_ahead = {"rows": 0, "later": 0, "sets": set()}
 
         def counted(moves, rows=None, target=None, later=()):
             first, end = arena.ahead, arena.ahead + 2 * arena.ahead_count
-            read_ahead["rows"] += sum(first <= row < end for row in rows or ())
+            ahead = [row for row in rows or () if first <= row < end]
+            read_ahead["rows"] += len(ahead)
+            read_ahead["sets"] |= {(row - first) // arena.ahead_count for row in ahead}
             read_ahead["later"] += len(later)
             move(moves, rows, target, later)
 
@@ -267,6 +269,7 @@ def test_a_staged_step_with_prefetch_takes_guessed_misses_from_the_ahead_rows_an
     assert ahead_stats["rows"] == (ahead_stats["prefetch_hits"] if addressed else 0)
     assert (ahead_stats["later"] > 0) == (addressed and ahead_stats["capacity_experts"] > 0)
     assert ahead_stats["later"] <= ahead_stats["rows"] and stats["rows"] == stats["later"] == 0
+    assert ahead_stats["sets"] == ({0, 1} if addressed else set())  # the two sets of ahead rows in turn
 
 
 @pytest.mark.parametrize("share", [0.5, 1.0])
@@ -423,7 +426,8 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
     first = None
     monkeypatch.setenv("GEMMACTL_ENGINE_MOE", mode.split("-")[0])
     expert_bytes = None
-    for slots, policy in ((None, "lfu"), (3, "lfu"), (3, "lru"), (5, "hot"), (0, "lfu")):
+    # (with prefetch, 2 × top_k = 4 of the slots are its ahead rows: 6 and 8 leave the cache 2 and 4)
+    for slots, policy in ((None, "lfu"), (6, "lfu"), (6, "lru"), (8, "hot"), (0, "lfu")):
         settings = ExpertSettings(cache_bytes=None if slots is None else slots * expert_bytes, policy=policy,
                                   prefetch=prefetch, cpu_share=share)
         engine = GemmaModel(moe_artifact, device="cuda", dtype=torch.bfloat16, context=64, experts=settings)
@@ -449,7 +453,7 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
         assert stats["hits"] + stats["misses"] > 0
         if prefetch and slots is not None:  # guessed misses came from the ahead rows
             assert 0 < stats["prefetch_hits"] <= stats["prefetched"], (slots, policy)
-        if mode == "table" and slots == 3:  # the cache turned over while the steps read it
+        if mode == "table" and slots == 6:  # the cache turned over while the steps read it
             assert engine.experts.cache.version > 3
         # One decode step's logits, eager and replayed, after the same prefill; the eager step without
         # its end, so its attention reads every slot (the unwritten ones masked) as the capture does.

@@ -631,7 +631,9 @@ def _with_experts(chosen: EngineMap, experts: dict, vram_bytes: int, profile, to
     chosen.expert_room_bytes = min(len(experts), room // one) * one
     chosen.decode_tok_s = 1.0 / (1.0 / chosen.decode_tok_s + per_token)
     chosen.link_bytes_per_token += round(link)
-    chosen.reason += f"; {slots} of {len(experts)} experts cached on the GPU"
+    # With prefetch (the engine's default) 2 × top_k of that room are its ahead rows (expert_arena.py).
+    chosen.reason += (f"; room for {slots} of {len(experts)} experts on the GPU"
+                      + (f" ({2 * top_k} of it prefetch's)" if slots > 2 * top_k and slots < len(experts) else ""))
     if share:
         chosen.reason += f", {share:.0%} of each MoE layer's computed on the CPU"
     return chosen

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from gemmactl.runtime.engine.device_copies import driver_copies
+from gemmactl.runtime.engine.device_copies import CopyError, driver_copies
 from gemmactl.runtime.engine.expert_settings import EXPERT_SCRATCH_ROWS as SCRATCH
 from gemmactl.runtime.engine.ops import expert_forward, gated
 
@@ -268,13 +268,21 @@ class ExpertArena:
         driver = self.driver
         if driver is not None:
             base, size, handle, host = self.base, self.row_bytes, self.stream_handle, self.host_ptrs
-            for source, row in pairs:
-                driver(base + row * size, host[self.rows[source]] if isinstance(source, tuple) else base + source * size,
-                       size, handle)
-            if numbers is not None:
-                target, pinned, count = numbers
-                driver(target.data_ptr(), pinned.data_ptr(), count * pinned.element_size(), handle)
-            return
+            queued = 0
+            try:
+                for source, row in pairs:
+                    driver(base + row * size,
+                           host[self.rows[source]] if isinstance(source, tuple) else base + source * size, size, handle)
+                    queued += 1
+                if numbers is not None:
+                    target, pinned, count = numbers
+                    driver(target.data_ptr(), pinned.data_ptr(), count * pinned.element_size(), handle)
+                return
+            except CopyError:
+                # A refused call queues nothing (this thread without the device's context current,
+                # say): torch's copies from here on, beginning with the refused one.
+                self.driver = None
+                pairs = pairs[queued:]
         compute, rows = self._compute_stream(), self.device_rows
         torch.cuda.set_stream(self.stream)
         try:

@@ -68,6 +68,7 @@ class PiecewiseDecode:
             call.block.stage(call.experts, None, call.x)
             return call.block.staged_sum(call.x, call.weights, call.experts)
 
+        model.experts.store.arena.ahead_keys = {}  # no guess of an earlier step is read in the warm-up
         warm_up(lambda: model.forward(self.x, self.per_layer, self.position, experts_of=staged), 1)
         pool = torch.cuda.graph_pool_handle()
         open_capture: list = []
