@@ -51,10 +51,10 @@ class PiecewiseDecode:
             self.x, self.per_layer = model.embed_tokens(self.token)  # the graphs' static inputs
         self.graphs: list = []
         self.calls: list = []  # the ExpertCall each graph but the last ends with (its static tensors)
-        # Queue the next layer's guessed copies after the next graph's launch rather than before it,
-        # so the host's work for them runs while the GPU computes (its set of ahead rows is not the
-        # one that graph reads). Off by default until measured on a GPU (benchmarks/engine_moe_step_profile.py
-        # --ahead-after on,off).
+        # Queue the next layer's guessed copies after the next graph's launch rather than before
+        # it, so the host's work for them runs while the GPU computes (its set of ahead rows is not
+        # the one that graph reads). Off until measured on a GPU
+        # (benchmarks/engine_moe_step_profile.py --ahead-after off,on).
         self.ahead_after_launch = False
         self._capture()
 
