@@ -95,7 +95,9 @@ def test_a_refused_driver_copy_and_those_after_it_go_through_torch(monkeypatch):
     host = [torch.full((4,), key + 1, dtype=torch.uint8) for key in range(3)]
     arena = types.SimpleNamespace(driver=driver, base=1 << 20, row_bytes=4, stream_handle=0,
                                   host_ptrs=[1 << 30, 2 << 30, 3 << 30], rows={(0, key): key for key in range(3)},
-                                  device_rows=device, host_rows=host, stream=None, _compute_stream=lambda: None)
+                                  device_rows=device, host_rows=host, stream=None, _compute_stream=lambda: None,
+                                  cuda=True)
+    arena._torch_copies = lambda *args, **kwargs: ExpertArena._torch_copies(arena, *args, **kwargs)
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
     ExpertArena._copies(arena, [((0, 0), 0), ((0, 1), 1), ((0, 2), 2), (2, 3)])
     assert calls == [((1 << 20) + 0, 1 << 30, 4), ((1 << 20) + 4, 2 << 30, 4)] and arena.driver is None

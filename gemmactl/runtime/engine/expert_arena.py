@@ -167,9 +167,8 @@ class ExpertArena:
 
     def fill(self, key, row: int) -> None:
         """Copy the expert key into device row (asynchronously on CUDA, once the row's last reader ran)."""
-        source = self.host_row(self.rows[key])
         if not self.cuda:
-            self.on_device[row].copy_(source)
+            self._copies([(key, row)])
             return
         stream = self.stream
         # After the row's last eager reader, the last whole-step graph and the last captured piece
@@ -227,15 +226,11 @@ class ExpertArena:
         in their ahead rows). No event per copy: the host runs this between two graphs, for every
         MoE layer of every token, so its cost is the step's (the waits a row needs, the copies, an
         event or two)."""
-        device_rows = self.device_rows
         if rows is not None:
             self.rows_numpy[:len(rows)] = rows  # free: the last copy from it ran before the host's wait
+        numbers = (target, self.rows_pinned, len(rows)) if rows is not None else None
         if not self.cuda:
-            for source, row in [*moves, *later]:
-                device_rows[row].copy_(self.host_rows[self.rows[source]] if isinstance(source, tuple)
-                                       else device_rows[source])
-            if rows is not None:
-                target.copy_(self.rows_pinned[:len(rows)])
+            self._copies([*moves, *later], numbers)
             return
         compute, stream = self._compute_stream(), self.stream
         if self.staging_freed is not None:  # the last graph that read the staging rows
@@ -244,7 +239,7 @@ class ExpertArena:
             if self.freed[row] is not None:  # a cache slot an eager step read
                 stream.wait_event(self.freed[row])
                 self.freed[row] = None
-        self._copies(moves, (target, self.rows_pinned, len(rows)) if rows is not None else None)
+        self._copies(moves, numbers)
         done = torch.cuda.Event()
         done.record(stream)
         compute.wait_event(done)
@@ -264,7 +259,11 @@ class ExpertArena:
         numbers (target, pinned, count): count int64s from pinned into device tensor target. The
         driver's copies take the stream as an argument; torch's run on the current stream, so for
         them the copy stream is made current meanwhile (set_stream, not `with torch.cuda.stream`,
-        which asks for the current stream again)."""
+        which asks for the current stream again). Where the host stands in for the device, plain
+        copies."""
+        if not self.cuda:
+            self._torch_copies(pairs, numbers, non_blocking=False)
+            return
         driver = self.driver
         if driver is not None:
             base, size, handle, host = self.base, self.row_bytes, self.stream_handle, self.host_ptrs
@@ -283,17 +282,22 @@ class ExpertArena:
                 # say): torch's copies from here on, beginning with the refused one.
                 self.driver = None
                 pairs = pairs[queued:]
-        compute, rows = self._compute_stream(), self.device_rows
+        compute = self._compute_stream()
         torch.cuda.set_stream(self.stream)
         try:
-            for source, row in pairs:
-                rows[row].copy_(self.host_rows[self.rows[source]] if isinstance(source, tuple) else rows[source],
-                                non_blocking=True)
-            if numbers is not None:
-                target, pinned, count = numbers
-                target[:count].copy_(pinned[:count], non_blocking=True)
+            self._torch_copies(pairs, numbers, non_blocking=True)
         finally:
             torch.cuda.set_stream(compute)
+
+    def _torch_copies(self, pairs: list, numbers: tuple | None, non_blocking: bool) -> None:
+        """_copies by torch's copy_, on the current stream."""
+        rows = self.device_rows
+        for source, row in pairs:
+            rows[row].copy_(self.host_rows[self.rows[source]] if isinstance(source, tuple) else rows[source],
+                            non_blocking=non_blocking)
+        if numbers is not None:
+            target, pinned, count = numbers
+            target[:count].copy_(pinned[:count], non_blocking=non_blocking)
 
     def rows_forward(self, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The k experts read in device rows rows [k] (move's target) on one token x [1, H] → [k, H],
@@ -330,14 +334,8 @@ class ExpertArena:
         self._ahead_set ^= 1
         first = self.ahead + self._ahead_set * self.ahead_count
         self.ahead_keys = {key: first + j for j, key in enumerate(keys[:self.ahead_count])}
-        rows = self.device_rows
-        if not self.cuda:
-            for key, row in self.ahead_keys.items():
-                rows[row].copy_(self.host_rows[self.rows[key]])
-            return
-        if not self.ahead_keys:
-            return
-        self._copies(list(self.ahead_keys.items()))
+        if self.ahead_keys:
+            self._copies(list(self.ahead_keys.items()))
 
     def send_host_outputs(self, outputs: bool = True) -> None:
         """Queue the flags and (outputs: some expert was homed) the homed experts' outputs to the
