@@ -17,7 +17,8 @@ share of each: is the step bound by the link, the GPU, or neither, i.e. the host
 driver,torch` runs each mode with the arena's copies queued either way (device_copies.py), and
 `--read-ahead on,off` with a guessed miss read in its ahead row or copied into its row first,
 `--ahead-after off,on` with the next layer's guessed copies queued before the next piece's launch
-or after it;
+or after it, `--fused off,on` with the pieces unfused or fused by torch.compile before capture
+(GEMMACTL_ENGINE_COMPILE; the setup time, compile included, is printed);
 `--zipf S` skews the routers (benchmarks/skewed_router.py, synthetic).
 """
 
@@ -47,6 +48,8 @@ def main() -> None:
                                                              "ahead row (off: copied into its row first)")
     parser.add_argument("--ahead-after", default="off", help="off,on: the next layer's guessed copies queued "
                                                               "before the next piece's launch, or after it")
+    parser.add_argument("--fused", default="off", help="off,on: the pieces fused by torch.compile before capture "
+                        "(GEMMACTL_ENGINE_COMPILE=on) or not")
     parser.add_argument("--timeline", type=int, default=0, help="steps under torch's profiler (0: none)")
     parser.add_argument("--kernels", type=int, default=0,
                         help="with --timeline: print the device's top N kernels and copies by time (0: none)")
@@ -59,7 +62,7 @@ def main() -> None:
     from gemmactl.formats.int4.reader import open_artifact
     from gemmactl.runtime.engine.expert_settings import ExpertSettings
     from gemmactl.runtime.engine.device_copies import driver_copies
-    from gemmactl.runtime.engine.graph import MOE_ENV, DecodeStep
+    from gemmactl.runtime.engine.graph import COMPILE_ENV, MOE_ENV, DecodeStep
     from gemmactl.runtime.engine.model import GemmaModel
 
     if args.zipf is not None:
@@ -76,10 +79,12 @@ def main() -> None:
                                experts=ExpertSettings(cache_bytes=args.cache, cpu_share=share))
         arena = model.experts.store.arena
         driver = driver_copies()
-        variants = [(m, c, r, a) for m in args.modes.split(",") for c in args.copies.split(",")
-                    for r in args.read_ahead.split(",") for a in args.ahead_after.split(",")]
-        for mode, copies, read_ahead, after in variants:
+        variants = [(m, c, r, a, f) for m in args.modes.split(",") for c in args.copies.split(",")
+                    for r in args.read_ahead.split(",") for a in args.ahead_after.split(",")
+                    for f in args.fused.split(",")]
+        for mode, copies, read_ahead, after, fused in variants:
             os.environ[MOE_ENV] = mode  # one model, a step captured for each variant in turn
+            os.environ[COMPILE_ENV] = fused
             arena.driver = driver if copies == "driver" else None
             arena.read_ahead = read_ahead == "on"
             step = DecodeStep(model)
@@ -107,8 +112,8 @@ def main() -> None:
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.rows)
             lookups = (stats["hits"] + stats["misses"]) - (before["hits"] + before["misses"])
             hits = stats["hits"] - before["hits"]
-            print(f"mode {mode} copies {stats['copies']} read-ahead {read_ahead} ahead-after {after} share {share}: "
-                  f"expert_bytes {model.experts.store.expert_bytes} step "
+            print(f"mode {mode} copies {stats['copies']} read-ahead {read_ahead} ahead-after {after} "
+                  f"fused {step.compiled} (setup {step.setup_s:.1f} s) share {share}: expert_bytes {model.experts.store.expert_bytes} step "
                   f"{seconds * 1e3:.2f} ms ({1 / seconds:.1f} tok/s) hit {hits / max(lookups, 1):.3f} (timed steps) "
                   f"host {stats['host_share']} cap {stats['capacity_experts']} "
                   f"addressed {model.experts.store.arena.addressed}")

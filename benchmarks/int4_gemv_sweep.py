@@ -1,7 +1,8 @@
 """The int4 GEMV (runtime/engine/int4_gemv.py) against tinygemm on this GPU, per matrix shape of a model.
 
     python benchmarks/int4_gemv_sweep.py [--shapes e2b,26b-a4b] [--rows 2,4,8,16] [--groups 4,8,16,32]
-                                         [--warps 2,4,8] [--budget-s S]
+                                         [--warps 2,4,8] [--budget-s S] [--expert-tiles R,G,W,P;...]
+                                         [--only-experts]
 
 For every int4 matrix shape a decode step of the model runs (groups of 32, as the E2B artifacts
 are written), the Triton kernel in every tile and torch's tinygemm
@@ -12,7 +13,8 @@ against the dequantized matrix in float32 first.
 
 For an MoE model, a layer's chosen experts (top_k of them: gate_up, then down on each expert's
 own activation) are timed three ways: tinygemm one expert at a time (what the engine ran), the
-grouped kernel over the experts in device memory (one launch for gate_up, one for down), and the
+grouped kernel over the experts in device memory (one launch for gate_up, one for down; in the
+engine's tile and in each of --expert-tiles), and the
 grouped kernel reading experts straight from pinned host memory over the link (no copy, no host
 decision between router and experts).
 
@@ -116,8 +118,9 @@ def shape_row(out_features, in_features, count, tiles, x, sms):
     return row
 
 
-def expert_rows(shape: dict) -> dict:
-    """A layer's top_k experts: tinygemm one at a time, grouped from device memory, grouped from pinned host."""
+def expert_rows(shape: dict, tiles: list) -> dict:
+    """A layer's top_k experts: tinygemm one at a time, grouped from device memory (the engine's tile, then
+    every tile of `tiles`), grouped from pinned host."""
     from gemmactl.runtime.engine import int4_gemv
     from gemmactl.runtime.engine.kernels import tinygemm_columns, tinygemm_layout
 
@@ -156,7 +159,28 @@ def expert_rows(shape: dict) -> dict:
         want.append(dequantized(down[0][e], down[1][e], down[2][e], width) @ a.bfloat16().float())
     want = torch.stack(want)
     result["grouped_max_error"] = ((got - want).abs().max() / want.abs().max()).item()
-    result["grouped_device_us"] = _graph_us(grouped_layer, layers)
+    result["grouped_device_us"] = _graph_us(grouped_layer, layers)  # the engine's tile
+    result["expert_bytes_per_layer"] = top_k * sum(t[0].numel() + 4 * t[1].numel() for t in (
+        (up[0][0], up[1][0]), (down[0][0], down[1][0])))
+    by_tile = {}
+    for tile in tiles:
+        int4_gemv.tile_for.cache_clear()
+        os.environ[int4_gemv.TILE_ENV] = name(tile)
+        try:
+            agrees = torch.equal(grouped_layer(0), grouped_layer(0))  # compiles the tile first
+            us = _graph_us(grouped_layer, layers)
+        except Exception as exc:  # a tile the compiler refuses
+            by_tile[name(tile)] = {"error": str(exc).splitlines()[0][:200]}
+            continue
+        error = ((grouped_layer(0).float() - want).abs().max() / want.abs().max()).item()
+        by_tile[name(tile)] = {"us": us, "gb_s": result["expert_bytes_per_layer"] / us / 1e3, "max_error": error,
+                               "repeatable": agrees}
+    os.environ.pop(int4_gemv.TILE_ENV, None)
+    int4_gemv.tile_for.cache_clear()
+    if by_tile:
+        timed = {t: r["us"] for t, r in by_tile.items() if "us" in r}
+        result["grouped_by_tile"] = by_tile
+        result["grouped_best_tile"] = min(timed, key=timed.get) if timed else None
     # tinygemm, one expert at a time (its layout, padded columns for down)
     cols_up, cols_down = tinygemm_columns(hidden, GROUP), tinygemm_columns(width, GROUP)
     tiny = {}
@@ -187,8 +211,7 @@ def expert_rows(shape: dict) -> dict:
         got = grouped_layer(0).float()
         result["host_max_error"] = ((got - want).abs().max() / want.abs().max()).item()
         result["grouped_host_us"] = _graph_us(grouped_layer, layers)
-        per_layer = top_k * (up[0][0].numel() + 4 * up[1][0].numel() + down[0][0].numel() + 4 * down[1][0].numel())
-        result["expert_bytes_per_layer"] = per_layer
+        per_layer = result["expert_bytes_per_layer"]
         result["host_gb_s"] = per_layer / result["grouped_host_us"] / 1e3
         # a copy of the same bytes over the link, for comparison
         staging = torch.empty(per_layer, dtype=torch.uint8, device="cuda")
@@ -207,6 +230,10 @@ def main() -> None:
     parser.add_argument("--warps", default="2,4,8")
     parser.add_argument("--programs", default="4")
     parser.add_argument("--budget-s", type=float, default=float("inf"))
+    parser.add_argument("--expert-tiles", default="4,16,4,4;4,16,4,1;8,16,4,4;8,16,4,1;8,16,8,1;16,16,8,1;"
+                        "8,32,8,1;16,8,4,1;16,16,4,1;32,8,8,1;8,8,4,1;4,32,4,1",
+                        help="ROWS,GROUPS,WARPS,PROGRAMS;...: the tiles a MoE layer's grouped experts are timed in")
+    parser.add_argument("--only-experts", action="store_true", help="time the experts alone (no dense shapes)")
     args = parser.parse_args()
     from gemmactl.runtime.engine import int4_gemv
 
@@ -218,6 +245,7 @@ def main() -> None:
             tiles.append(int4_gemv.Tile(rows, groups, warps, programs))
     os.environ.pop(int4_gemv.TILE_ENV, None)
     tiles += [t for t in (int4_gemv.DEFAULT_TILE,) if t not in tiles]
+    expert_tiles = [int4_gemv.Tile(*map(int, t.split(","))) for t in args.expert_tiles.split(";") if t]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.randn(16384, dtype=torch.bfloat16, device="cuda")
     out = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -226,7 +254,7 @@ def main() -> None:
     for model in args.shapes.split(","):
         results = {}
         for (out_features, in_features), count in SHAPES[model].items():
-            if time.perf_counter() - started > args.budget_s:
+            if args.only_experts or time.perf_counter() - started > args.budget_s:
                 break
             row = shape_row(out_features, in_features, count, tiles, x, sms)
             results[f"{out_features}x{in_features}"] = row
@@ -250,14 +278,16 @@ def main() -> None:
             "cublas_bf16": step(lambda r: r["cublas_bf16"]["us"]),
             "default_tiles": step(lambda r: r["tiles"].get(r["default"], {}).get("us")),
             "best_tile_per_shape": step(lambda r: r["tiles"][r["best"]]["us"])}}
-        singles = {name(t): step(lambda r, t=name(t): r["tiles"].get(t, {}).get("us")) for t in tiles}
+        if not results:  # --only-experts
+            entry = {}
+        singles = {name(t): step(lambda r, t=name(t): r["tiles"].get(t, {}).get("us")) for t in tiles} if results else {}
         singles = {t: v for t, v in singles.items() if v is not None}
         if singles:
             best = min(singles, key=singles.get)
             entry["step_us"]["best_single_tile"] = singles[best]
             entry["best_single_tile"] = best
         if model in EXPERTS and time.perf_counter() - started <= args.budget_s:
-            entry["experts"] = expert_rows(EXPERTS[model])
+            entry["experts"] = expert_rows(EXPERTS[model], expert_tiles)
             print(f"{model} experts: {json.dumps(entry['experts'])}", file=sys.stderr)
         out["models"][model] = entry
     print(json.dumps(out, indent=1))

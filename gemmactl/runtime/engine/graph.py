@@ -71,6 +71,13 @@ def moe_pieces_wanted(model) -> bool:
             and model.experts.store.arena is not None)
 
 
+def moe_fused_wanted(model) -> bool:
+    """Whether the MoE step's pieces are fused by torch.compile before capture (graph_moe.py):
+    where COMPILE_ENV is on or max. Not by default (auto) until measured against the pieces
+    unfused (benchmarks/engine_moe_step_profile.py --fused off,on)."""
+    return _setting(COMPILE_ENV) in ("on", "1", "true", "max")
+
+
 def host_pieces_wanted(model) -> bool:
     """Whether to capture a dense model's step in pieces around its layers on the host
     (graph_host.py): on CUDA unless GRAPH_ENV is off."""
@@ -167,7 +174,12 @@ class DecodeStep:
             from gemmactl.runtime.engine.graph_moe import PiecewiseDecode
 
             # replayed piece by piece, the experts between: read in their rows, or copied (to measure)
-            self.graph = PiecewiseDecode(model, addressed=os.environ.get(MOE_ENV, "pieces").lower() != "copies")
+            fused = moe_fused_wanted(model)
+            if fused and cache_dir is not None:
+                os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+            self.graph = PiecewiseDecode(model, addressed=os.environ.get(MOE_ENV, "pieces").lower() != "copies",
+                                         fused=fused)
+            self.compiled = fused
         self.setup_s = time.perf_counter() - start
 
     def compiled_step(self):

@@ -23,7 +23,11 @@ were captured, as torch requires for sharing.
 
 Captured the way graph.DecodeStep captures a dense step: static token and position, the rows of
 the embedding tables gathered outside the graphs, every cache slot read with the unwritten ones
-masked. Only where every layer is resident on the GPU and the experts live in an arena (the
+masked. Fused (GEMMACTL_ENGINE_COMPILE=on), the forward is compiled by torch.compile first and the
+hook each MoE layer hands its experts to is one Dynamo does not trace (cut_here): the compiled
+forward breaks there, so each piece is one compiled stretch (its norms, rope, attention glue,
+router and top-k fused into a few kernels instead of the ~20 small ones a layer launches unfused),
+and the grouped expert kernels run between them as they are. Only where every layer is resident on the GPU and the experts live in an arena (the
 default on CUDA; graph.moe_pieces_wanted).
 """
 
@@ -39,7 +43,7 @@ from gemmactl.runtime.engine.capture import capture_body, fill_rows, warm_up
 class PiecewiseDecode:
     """One token's step of an MoE model: graphs between routing decisions, the experts eager."""
 
-    def __init__(self, model, addressed: bool = True):
+    def __init__(self, model, addressed: bool = True, fused: bool = False):
         self.model = model
         device = model.device
         arena = model.experts.store.arena
@@ -56,6 +60,15 @@ class PiecewiseDecode:
         # the one that graph reads). Off until measured on a GPU
         # (benchmarks/engine_moe_step_profile.py --ahead-after off,on).
         self.ahead_after_launch = False
+        # fused: the stretches between the routers fused by torch.compile before capture, as a
+        # dense step is (graph.py): one compiled forward, cut by a hook Dynamo does not trace (a
+        # graph break at each MoE layer), so each piece is one compiled stretch. The hook is one
+        # callable whose work is swapped (staged in the warm-up, cut in the capture), so the
+        # capture finds the code the warm-up compiled rather than compiling again inside it.
+        self.fused = fused
+        self._work = [None]
+        self._hook = cut_here(lambda call: self._work[0](call))
+        self._forward = fused_forward(model) if fused else model.forward
         self._capture()
 
     def _capture(self) -> None:
@@ -69,7 +82,10 @@ class PiecewiseDecode:
             return call.block.staged_sum(call.x, call.weights, call.experts)
 
         model.experts.store.arena.ahead_keys = {}  # no guess of an earlier step is read in the warm-up
-        warm_up(lambda: model.forward(self.x, self.per_layer, self.position, experts_of=staged), 1)
+        self._work[0] = staged
+        with recompiles_allowed():  # compiled here where fused: once, then run once as compiled
+            warm_up(lambda: self._forward(self.x, self.per_layer, self.position, experts_of=self._hook),
+                    2 if self.fused else 1)
         pool = torch.cuda.graph_pool_handle()
         open_capture: list = []
 
@@ -93,10 +109,11 @@ class PiecewiseDecode:
             begin()
             return call.block.staged_sum(call.x, call.weights, call.experts)
 
-        with torch.inference_mode():
+        self._work[0] = cut
+        with torch.inference_mode(), recompiles_allowed():
             begin()
             try:
-                self.logits = model.forward(self.x, self.per_layer, self.position, experts_of=cut)  # [V]
+                self.logits = self._forward(self.x, self.per_layer, self.position, experts_of=self._hook)  # [V]
             except BaseException:
                 if open_capture:  # close the capture with the error, so the error is the one raised
                     try:
@@ -139,6 +156,30 @@ class PiecewiseDecode:
         finally:
             arena.compute = None
         return self.logits
+
+
+def cut_here(work):
+    """work (an ExpertCall → the experts' sum) as the hook a fused forward hands each MoE layer to:
+    Dynamo does not trace it, so the compiled forward breaks there and runs it as it is."""
+    return torch.compiler.disable(work)
+
+
+def fused_forward(model, backend: str = "inductor"):
+    """model.forward compiled (static shapes) for a capture in pieces: call it with a cut_here
+    hook, under recompiles_allowed, as the warm-up and the capture do."""
+    return torch.compile(model.forward, dynamic=False, backend=backend)
+
+
+def recompiles_allowed():
+    """Dynamo's settings while the pieces compile: each layer's stretch is the same code over
+    another layer's weights (and another model's, for each model captured in a process), which
+    Dynamo compiles once for each; its default limit (8 per code object) would leave the rest
+    eager. Only the warm-up and the capture run under it: a replay calls no compiled code."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    return config.patch(recompile_limit=max(4096, config.recompile_limit),
+                        accumulated_recompile_limit=max(1 << 16, config.accumulated_recompile_limit))
 
 
 class TableDecode:
