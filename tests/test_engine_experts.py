@@ -661,19 +661,24 @@ def test_a_plan_whose_experts_do_not_fit_the_ram_says_so_before_loading(moe_run_
 def test_a_fused_forward_breaks_at_each_moe_layer_and_computes_what_the_eager_one_does(moe_artifact):
     """What the fused captured step (graph_moe.PiecewiseDecode, fused) relies on, on the CPU with
     torch.compile's graph-only backend: the compiled forward hands every MoE layer's experts to the
-    hook in order (Dynamo breaks there and runs it untraced), its logits are the eager forward's,
-    and a second call compiles nothing more."""
+    hook in order (Dynamo breaks there and runs it untraced), the hook stages them and sums them in
+    a function compiled on its own, the logits are the eager forward's, and a second call compiles
+    nothing more."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from gemmactl.runtime.engine import graph_moe
 
-    engine = _engine(moe_artifact)
+    settings = ExpertSettings(cache_bytes=None, policy="lfu", miss="copy", arena=True, prefetch=False)
+    engine = _staged_engine(moe_artifact, settings, addressed=True)
     moe_layers = [layer.spec.index for layer in engine.layers if layer.moe is not None]
     seen = []
+    sums = CompileCounterWithBackend("aot_eager")
+    staged_sum = torch.compile(graph_moe._staged_sum, dynamic=False, backend=sums)
 
-    def work(call):
+    def work(call, summed=staged_sum):
         seen.append((call.block.layer, call.experts.tolist()))  # a host read, as the capture's cut makes
-        return call.run()
+        call.block.stage(call.experts)
+        return summed(call.block, call.x, call.weights, call.experts)
 
     counter = CompileCounterWithBackend("aot_eager")
     forward = torch.compile(engine.forward, dynamic=False, backend=counter)
@@ -681,7 +686,7 @@ def test_a_fused_forward_breaks_at_each_moe_layer_and_computes_what_the_eager_on
     tokens, positions = torch.tensor([2]), torch.tensor([0])
     with torch.inference_mode():
         x, per_layer = engine.embed_tokens(tokens)
-        expected = engine.forward(x, per_layer, positions, experts_of=work)
+        expected = engine.forward(x, per_layer, positions, experts_of=lambda call: work(call, graph_moe._staged_sum))
         eager = list(seen)
         for run in range(2):
             engine.reset()
@@ -689,6 +694,7 @@ def test_a_fused_forward_breaks_at_each_moe_layer_and_computes_what_the_eager_on
             with graph_moe.recompiles_allowed():
                 logits = forward(x, per_layer, positions, experts_of=hook)
             assert torch.equal(logits, expected) and seen == eager, run
-            frames = frames if run else counter.frame_count
+            frames = frames if run else (counter.frame_count, sums.frame_count)
     assert [layer for layer, _ in eager] == moe_layers
-    assert counter.frame_count == frames >= len(moe_layers)  # a stretch at least per MoE layer; none again
+    # a stretch at least per MoE layer, a sum for each; none compiled again
+    assert (counter.frame_count, sums.frame_count) == frames and min(frames) >= len(moe_layers)

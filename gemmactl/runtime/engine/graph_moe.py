@@ -69,6 +69,10 @@ class PiecewiseDecode:
         self._work = [None]
         self._hook = cut_here(lambda call: self._work[0](call))
         self._forward = fused_forward(model) if fused else model.forward
+        # The experts' sum between the pieces (their addresses, the grouped launches, the gate and
+        # the weighted adds in order, some 35 small kernels a layer unfused) compiled on its own:
+        # the hook runs untraced, but a compiled function called from it is compiled.
+        self._sum = (torch.compile(_staged_sum, dynamic=False) if fused else _staged_sum)
         self._capture()
 
     def _capture(self) -> None:
@@ -79,7 +83,7 @@ class PiecewiseDecode:
 
         def staged(call):
             call.block.stage(call.experts, None, call.x)
-            return call.block.staged_sum(call.x, call.weights, call.experts)
+            return self._sum(call.block, call.x, call.weights, call.experts)
 
         model.experts.store.arena.ahead_keys = {}  # no guess of an earlier step is read in the warm-up
         self._work[0] = staged
@@ -107,7 +111,7 @@ class PiecewiseDecode:
             end()
             self.calls.append(call)
             begin()
-            return call.block.staged_sum(call.x, call.weights, call.experts)
+            return self._sum(call.block, call.x, call.weights, call.experts)
 
         self._work[0] = cut
         with torch.inference_mode(), recompiles_allowed():
@@ -156,6 +160,10 @@ class PiecewiseDecode:
         finally:
             arena.compute = None
         return self.logits
+
+
+def _staged_sum(block, x, weights, experts):
+    return block.staged_sum(x, weights, experts)
 
 
 def cut_here(work):
