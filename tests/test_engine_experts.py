@@ -397,7 +397,8 @@ def test_the_whole_step_asked_for_with_homed_experts_says_why_the_pieces_run(mon
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["table", "pieces", "pieces-prefetch", "pieces-homed", "copies", "copies-prefetch",
-                                  "pieces-prefetch-torch", "pieces-prefetch-after", "pieces-prefetch-fused"])
+                                  "pieces-prefetch-torch", "pieces-prefetch-after", "pieces-prefetch-fused",
+                                  "pieces-homed-fused"])
 def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mode):
     """On CUDA: (pieces, the default) graphs cut after each MoE layer's router, the misses copied
     into their rows between replays and each chosen expert read in its row (copies: every chosen
@@ -442,6 +443,7 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
             assert isinstance(step.graph, TableDecode)
         else:
             assert isinstance(step.graph, PiecewiseDecode) and step.graph.fused == step.compiled == fused
+            assert step.graph.compiled_in_capture == 0  # fused: every piece compiled in the warm-up, none inside
             step.graph.ahead_after_launch = "after" in parts
             assert engine.experts.store.arena.addressed == (mode.startswith("pieces") and int4_groups_kept(expert=True))
             assert len(step.graph.graphs) == len(step.graph.calls) + 1 == sum(1 for layer in engine.layers if layer.moe) + 1

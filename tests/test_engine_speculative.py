@@ -530,6 +530,7 @@ def test_greedy_speculation_is_exact_except_beside_a_fused_or_moe_step_on_a_gpu(
     assert greedy_inexact(decoder(False, "cpu", experts=object())) is None  # exact on the CPU (tested above)
     assert "fused" in greedy_inexact(decoder(True, "cuda"))
     assert "MoE" in greedy_inexact(decoder(False, "cuda", experts=object()))
+    assert "MoE" in greedy_inexact(decoder(True, "cuda", experts=object()))  # fused or not, the MoE reason
     monkeypatch.setenv(INEXACT_SPECULATION_ENV, "on")  # measured anyway (benchmarks/speculation_gpu.py)
     assert greedy_inexact(decoder(True, "cuda")) is None
 

@@ -96,7 +96,7 @@ def open_speculator(backend, artifact, draft: DraftSettings, notices: list[str])
     speculator.draft_path = draft.path
     speculator.greedy_inexact = greedy_inexact(backend.decoder)
     if speculator.greedy_inexact:
-        fused = backend.decoder.compiled
+        fused = backend.decoder.compiled and backend.model.experts is None  # turning it off would make it exact
         notices.append(f"greedy requests decode without the draft {draft.path}: {speculator.greedy_inexact} "
                        "(sampled requests still speculate"
                        + (f"; {COMPILE_ENV}=off speculates exactly, with a slower step)" if fused else ")"))
@@ -117,10 +117,10 @@ def greedy_inexact(decoder) -> str | None:
     if decoder.model.device.type != "cuda" or os.environ.get(INEXACT_SPECULATION_ENV, "off").strip().lower() in (
             "on", "1", "true"):
         return None
+    if decoder.model.experts is not None:  # first: unfused, it would still not be
+        return "the MoE verify step's rows are not measured bit-exact on a GPU"
     if decoder.compiled:
         return "the model's step is fused on the GPU, where the verify step is not bit-exact"
-    if decoder.model.experts is not None:
-        return "the MoE verify step's rows are not measured bit-exact on a GPU"
     return None
 
 

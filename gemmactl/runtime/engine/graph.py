@@ -178,7 +178,7 @@ class DecodeStep:
             if fused and cache_dir is not None:
                 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
             self.graph = PiecewiseDecode(model, addressed=os.environ.get(MOE_ENV, "pieces").lower() != "copies",
-                                         fused=fused)
+                                         fused=fused, autotune=_setting(COMPILE_ENV) == "max")
             self.compiled = fused
         self.setup_s = time.perf_counter() - start
 

@@ -33,6 +33,7 @@ default on CUDA; graph.moe_pieces_wanted).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -43,7 +44,7 @@ from gemmactl.runtime.engine.capture import capture_body, fill_rows, warm_up
 class PiecewiseDecode:
     """One token's step of an MoE model: graphs between routing decisions, the experts eager."""
 
-    def __init__(self, model, addressed: bool = True, fused: bool = False):
+    def __init__(self, model, addressed: bool = True, fused: bool = False, autotune: bool = False):
         self.model = model
         device = model.device
         arena = model.experts.store.arena
@@ -67,12 +68,14 @@ class PiecewiseDecode:
         # capture finds the code the warm-up compiled rather than compiling again inside it.
         self.fused = fused
         self._work = [None]
-        self._hook = cut_here(lambda call: self._work[0](call))
-        self._forward = fused_forward(model) if fused else model.forward
+        work = lambda call: self._work[0](call)  # noqa: E731
+        self._hook = cut_here(work) if fused else work
+        self._forward = fused_forward(model, autotune=autotune) if fused else model.forward
         # The experts' sum between the pieces (their addresses, the grouped launches, the gate and
         # the weighted adds in order, some 35 small kernels a layer unfused) compiled on its own:
         # the hook runs untraced, but a compiled function called from it is compiled.
-        self._sum = (torch.compile(_staged_sum, dynamic=False) if fused else _staged_sum)
+        self._sum = _compiled(_staged_sum, autotune) if fused else _staged_sum
+        self.compiled_in_capture = 0  # graphs Dynamo compiled during the capture (0: all in the warm-up)
         self._capture()
 
     def _capture(self) -> None:
@@ -87,7 +90,7 @@ class PiecewiseDecode:
 
         model.experts.store.arena.ahead_keys = {}  # no guess of an earlier step is read in the warm-up
         self._work[0] = staged
-        with recompiles_allowed():  # compiled here where fused: once, then run once as compiled
+        with recompiles_allowed(self.fused):  # compiled here where fused: once, then run once as compiled
             warm_up(lambda: self._forward(self.x, self.per_layer, self.position, experts_of=self._hook),
                     2 if self.fused else 1)
         pool = torch.cuda.graph_pool_handle()
@@ -114,7 +117,8 @@ class PiecewiseDecode:
             return self._sum(call.block, call.x, call.weights, call.experts)
 
         self._work[0] = cut
-        with torch.inference_mode(), recompiles_allowed():
+        compiled_before = _graphs_compiled()
+        with torch.inference_mode(), recompiles_allowed(self.fused):
             begin()
             try:
                 self.logits = self._forward(self.x, self.per_layer, self.position, experts_of=self._hook)  # [V]
@@ -126,6 +130,7 @@ class PiecewiseDecode:
                         pass
                 raise
             end()
+        self.compiled_in_capture = _graphs_compiled() - compiled_before
         model.reset()  # the warm-up and capture wrote position 0 of the caches
         experts = model.experts  # the warm-up's expert uses are not the caller's
         experts.counters.__init__()
@@ -172,22 +177,40 @@ def cut_here(work):
     return torch.compiler.disable(work)
 
 
-def fused_forward(model, backend: str = "inductor"):
+def _compiled(function, autotune: bool = False, backend: str = "inductor"):
+    if autotune:  # inductor's autotuning too (GEMMACTL_ENGINE_COMPILE=max), as graph.DecodeStep asks it
+        return torch.compile(function, mode="max-autotune-no-cudagraphs", dynamic=False, backend=backend)
+    return torch.compile(function, dynamic=False, backend=backend)
+
+
+def fused_forward(model, backend: str = "inductor", autotune: bool = False):
     """model.forward compiled (static shapes) for a capture in pieces: call it with a cut_here
     hook, under recompiles_allowed, as the warm-up and the capture do."""
-    return torch.compile(model.forward, dynamic=False, backend=backend)
+    return _compiled(model.forward, autotune, backend)
 
 
-def recompiles_allowed():
+def _graphs_compiled() -> int:
+    """How many graphs Dynamo has compiled in this process so far (0 where it does not count them)."""
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["stats"].get("unique_graphs", 0))
+
+
+def recompiles_allowed(fused: bool = True):
     """Dynamo's settings while the pieces compile: each layer's stretch is the same code over
     another layer's weights (and another model's, for each model captured in a process), which
     Dynamo compiles once for each; its default limit (8 per code object) would leave the rest
-    eager. Only the warm-up and the capture run under it: a replay calls no compiled code."""
+    eager. Only the warm-up and the capture run under it: a replay calls no compiled code.
+    Nothing where the pieces are not fused."""
+    if not fused:
+        return contextlib.nullcontext()
     import torch._dynamo
 
     config = torch._dynamo.config
-    return config.patch(recompile_limit=max(4096, config.recompile_limit),
-                        accumulated_recompile_limit=max(1 << 16, config.accumulated_recompile_limit))
+    # The names since torch 2.7; before, cache_size_limit and accumulated_cache_size_limit.
+    limit, total = (("recompile_limit", "accumulated_recompile_limit") if hasattr(config, "recompile_limit")
+                    else ("cache_size_limit", "accumulated_cache_size_limit"))
+    return config.patch(**{limit: max(4096, getattr(config, limit)), total: max(1 << 16, getattr(config, total))})
 
 
 class TableDecode:

@@ -106,7 +106,8 @@ def _(x, qweight, scales, zeros, in_features):
 def grouped(x: torch.Tensor, addresses: torch.Tensor, out_features: int, in_features: int,
             group_size: int) -> torch.Tensor:
     """x [M, in] or [in] (shared) · M matrices of one shape, each at addresses [M, 3] int64 (its codes,
-    scales and zeros, laid out as int4_gemv takes them, contiguous) → [M, out] in x's dtype."""
+    scales and zeros, laid out as int4_gemv takes them, contiguous, each starting 16-byte aligned:
+    the kernel reads them in vectors) → [M, out] in x's dtype."""
     triton, _, kernel, _ = _kernels()
     matrices = addresses.shape[0]
     groups = -(-in_features // group_size)
