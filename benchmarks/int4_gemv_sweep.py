@@ -130,12 +130,8 @@ def expert_rows(shape: dict, tiles: list) -> dict:
     x = torch.randn(hidden, dtype=torch.bfloat16, device="cuda")
     choice = [torch.randperm(experts)[:top_k].tolist() for _ in range(layers)]
 
-    def tensors(device):
-        up = random_int4(layers * experts, 2 * width, hidden, device)
-        down = random_int4(layers * experts, hidden, width, device)
-        return up, down
-
-    up, down = tensors("cuda")
+    up = random_int4(layers * experts, 2 * width, hidden)
+    down = random_int4(layers * experts, hidden, width)
     # correctness of the grouped kernel: experts of layer 0 against the dequantized reference
     def addresses(parts, layer):
         q, s, z = parts
@@ -201,10 +197,11 @@ def expert_rows(shape: dict, tiles: list) -> dict:
         return torch.stack(out)
 
     result["tinygemm_loop_us"] = _graph_us(tinygemm_layer, layers)
+    # from pinned host memory: the kernel reads the same codes over the link
+    host = [tuple(t.cpu().pin_memory() for t in parts) for parts in (up, down)]
     del tiny, up, down, up_at, down_at
     torch.cuda.empty_cache()
-    # from pinned host memory: the kernel reads the codes over the link
-    up, down = (tuple(t.pin_memory() for t in parts) for parts in tensors("cpu"))
+    up, down = host
     up_at = [addresses(up, i) for i in range(layers)]
     down_at = [addresses(down, i) for i in range(layers)]
     try:

@@ -10,9 +10,10 @@ of whole groups at a time; per group it sums q·x over the group's columns and a
 scale·Σqx + zero·Σx (the zero term needs only the token's own sum per group, shared by every row).
 Triton is the well-kept route to a kernel of this shape (it ships with torch's CUDA wheels);
 torchao's and gemlite's int4 GEMVs take their own layouts, which would bring a repack back and
-could not read a table of addresses. Measured on the H200 (benchmarks/int4_gemv_sweep.py): for a
-26B-A4B layer's 8 experts, 87 µs grouped against 117 for tinygemm one expert at a time; on single
-dense matrices tinygemm stays faster (runtime/engine/kernels.py says where each runs). As for the
+could not read a table of addresses. Measured (benchmarks/int4_gemv_sweep.py): for a 26B-A4B
+layer's 8 experts, 44 µs grouped against 122 for tinygemm one expert at a time on an H100 (87
+against 117 on the H200 before the codes were read in vectors); on single dense matrices tinygemm
+stays faster (runtime/engine/kernels.py says where each runs). As for the
 int8 GEMV (runtime/engine/int8_gemv.py), tiles are fixed by shape rather than left to Triton's
 autotuner (which would allocate a flush buffer inside the plan's budget), and matrices with few row
 blocks split K. Custom ops, so torch.compile keeps them whole and a CUDA graph replays them.
@@ -40,9 +41,12 @@ class Tile(NamedTuple):
 
 # benchmarks/int4_gemv_sweep.py on the H200 (49 tiles, every int4 shape of E2B and 26B-A4B, groups
 # of 32): 4 rows × 16 groups × 4 warps was the best single tile over 26B-A4B's shapes and within
-# 1.42× of each shape's best on E2B's (dense matrices run in tinygemm, runtime/engine/kernels.py); the
-# experts' grouped products run in it.
-DEFAULT_TILE = Tile(4, 16, 4)
+# 1.42× of each shape's best on E2B's (dense matrices run in tinygemm, runtime/engine/kernels.py).
+# The experts' grouped products run in this tile; once the kernel read their codes in vectors, a
+# 26B-A4B layer's 8 experts took 44.0 µs in 8 rows × 16 groups × 4 warps with no K split (one
+# program a multiprocessor: a layer's 8 matrices give it programs enough) against 51.0 in the tile
+# before, and 86.0 before the vectors (an H100, docs/benchmarks.md).
+DEFAULT_TILE = Tile(8, 16, 4, 1)
 
 
 @functools.cache
