@@ -23,12 +23,14 @@ were captured, as torch requires for sharing.
 
 Captured the way graph.DecodeStep captures a dense step: static token and position, the rows of
 the embedding tables gathered outside the graphs, every cache slot read with the unwritten ones
-masked. Fused (GEMMACTL_ENGINE_COMPILE=on), the forward is compiled by torch.compile first and the
-hook each MoE layer hands its experts to is one Dynamo does not trace (cut_here): the compiled
-forward breaks there, so each piece is one compiled stretch (its norms, rope, attention glue,
-router and top-k fused into a few kernels instead of the ~20 small ones a layer launches unfused),
-and the grouped expert kernels run between them as they are. Only where every layer is resident on the GPU and the experts live in an arena (the
+masked. Only where every layer is resident on the GPU and the experts live in an arena (the
 default on CUDA; graph.moe_pieces_wanted).
+
+Fused (GEMMACTL_ENGINE_COMPILE=on; not the default until its speed is measured), the forward is
+compiled by torch.compile first and the hook each MoE layer hands its experts to is one Dynamo
+does not trace (cut_here): the compiled forward breaks there, so each piece is one compiled
+stretch (its norms, rope, attention glue, router and top-k fused into a few kernels instead of the
+~20 small ones a layer launches unfused), and the experts' sum between is compiled on its own.
 """
 
 from __future__ import annotations
