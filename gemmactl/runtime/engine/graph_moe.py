@@ -119,7 +119,7 @@ class PiecewiseDecode:
             return self._sum(call.block, call.x, call.weights, call.experts)
 
         self._work[0] = cut
-        compiled_before = _graphs_compiled()
+        compiled_before = _graphs_compiled() if self.fused else 0  # unfused: nothing to count
         with torch.inference_mode(), recompiles_allowed(self.fused):
             begin()
             try:
@@ -132,7 +132,7 @@ class PiecewiseDecode:
                         pass
                 raise
             end()
-        self.compiled_in_capture = _graphs_compiled() - compiled_before
+        self.compiled_in_capture = _graphs_compiled() - compiled_before if self.fused else 0
         model.reset()  # the warm-up and capture wrote position 0 of the caches
         experts = model.experts  # the warm-up's expert uses are not the caller's
         experts.counters.__init__()
