@@ -347,6 +347,44 @@ def test_the_forward_hands_each_moe_layers_experts_to_its_caller(moe_artifact):
     assert all(call.experts.shape == (3, engine.experts.top_k) for call in calls)
 
 
+def test_a_whole_steps_record_is_counted_as_its_reads_and_admitted_within_the_budget(moe_artifact, monkeypatch):
+    """MoEExperts.keep_record, the host's side of the whole step (graph_moe.TableDecode): a hit
+    moves nothing; a miss the step's fetch brought in is a prefetch hit, its bytes counted once
+    when fetched (a fetched expert never used counts too); any other miss is read in place and
+    counted so. Misses are admitted by the policy, or at most GEMMACTL_ENGINE_TABLE_ADMIT a token,
+    the layers taking turns to go first."""
+    from gemmactl.runtime.engine.experts import ADMIT_ENV
+
+    monkeypatch.delenv(ADMIT_ENV, raising=False)
+    engine = _engine(moe_artifact, ExpertSettings(cache_bytes=None, policy="lru"))  # room for every expert
+    experts = engine.experts
+    blocks, k = len(experts.blocks), experts.top_k
+    assert blocks >= 2 and k >= 2
+    size = experts.store.stored_bytes
+    chosen = [[0, 1] + list(range(2, k))] * blocks
+    fetched = [[1] + [-1] * (k - 1), [5] + [-1] * (k - 1)] + [[-1] * k] * (blocks - 2)
+    evicted, admitted = experts.keep_record(chosen, fetched)
+    counters = experts.counters
+    assert evicted == [] and len(admitted) == blocks * k  # every expert missed, every one kept
+    assert counters.copied == blocks * k and counters.prefetch_hits == 1 and counters.prefetched == 2
+    assert counters.decode_bytes == (blocks * k - 1 + 2) * size  # two fetched, the rest read in place
+    evicted, admitted = experts.keep_record(chosen, [[-1] * k] * blocks)
+    assert (evicted, admitted) == ([], []) and experts.cache.hits == blocks * k  # all cached now
+    assert counters.decode_bytes == (blocks * k + 1) * size  # hits move nothing
+
+    monkeypatch.setenv(ADMIT_ENV, "3")
+    experts = _engine(moe_artifact, ExpertSettings(cache_bytes=None, policy="lru")).experts
+    firsts = []
+    for _ in range(2):
+        _, admitted = experts.keep_record(chosen, [[-1] * k] * blocks)
+        assert len(admitted) == 3
+        firsts.append(admitted[0][0][0])  # the layer that went first
+    assert firsts == [experts.blocks[0].layer, experts.blocks[1].layer]
+    monkeypatch.setenv(ADMIT_ENV, "some")
+    with pytest.raises(ValueError, match=ADMIT_ENV):
+        _engine(moe_artifact, ExpertSettings(cache_bytes=None, policy="lru"))
+
+
 def test_an_moe_step_is_captured_in_pieces_on_cuda_unless_turned_off(monkeypatch):
     from types import SimpleNamespace
 
@@ -396,7 +434,7 @@ def test_the_whole_step_asked_for_with_homed_experts_says_why_the_pieces_run(mon
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["table", "pieces", "pieces-prefetch", "pieces-homed", "copies", "copies-prefetch",
+@pytest.mark.parametrize("mode", ["table", "table-prefetch", "pieces", "pieces-prefetch", "pieces-homed", "copies", "copies-prefetch",
                                   "pieces-prefetch-torch", "pieces-prefetch-after", "pieces-prefetch-fused",
                                   "pieces-homed-fused"])
 def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mode):
@@ -404,7 +442,8 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
     into their rows between replays and each chosen expert read in its row (copies: every chosen
     expert copied into staging rows instead); or (table, asked for) the whole step in one graph,
     each chosen expert read where a device table says it lies (a cache slot, or its pinned host row
-    over the link), the cache kept by the host after each token (graph_moe.TableDecode). The
+    over the link), the cache kept by the host after each token (graph_moe.TableDecode;
+    table-prefetch: each layer's guessed misses fetched into ahead rows inside the step). The
     tokens of the eager step with the cache whole, small and off, under each policy, and a step's
     logits bit for bit. (pieces-prefetch: the pieces, each also guessing the next layer's
     experts, copied into the ahead rows while the next piece computes; pieces-homed: with prefetch,
@@ -420,7 +459,7 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
     from gemmactl.runtime.engine.kernels import int4_groups_kept
     from gemmactl.runtime.engine.model import GemmaModel
 
-    if mode == "table" and not int4_groups_kept(expert=True):
+    if mode.startswith("table") and not int4_groups_kept(expert=True):
         pytest.skip("the table step needs the experts in the Triton kernels' layout (Triton missing)")
     monkeypatch.setenv("GEMMACTL_ENGINE_GRAPH", "auto")
     parts = mode.split("-")
@@ -440,8 +479,9 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
         expert_bytes = engine.experts.store.expert_bytes
         expected, _ = engine_greedy(engine, PROMPT, STEPS)  # eager, bounded
         step = DecodeStep(engine)
-        if mode == "table":
+        if mode.startswith("table"):
             assert isinstance(step.graph, TableDecode)
+            assert engine.experts.fetching == (prefetch and slots is not None)  # all cached: nothing to fetch
         else:
             assert isinstance(step.graph, PiecewiseDecode) and step.graph.fused == step.compiled == fused
             assert step.graph.compiled_in_capture == 0  # fused: every piece compiled in the warm-up, none inside
@@ -461,7 +501,7 @@ def test_gpu_moe_step_captured_decodes_like_eager(moe_artifact, monkeypatch, mod
         assert stats["hits"] + stats["misses"] > 0
         if prefetch and slots is not None:  # guessed misses came from the ahead rows
             assert 0 < stats["prefetch_hits"] <= stats["prefetched"], (slots, policy)
-        if mode == "table" and slots == 6:  # the cache turned over while the steps read it
+        if mode.startswith("table") and slots == 6:  # the cache turned over while the steps read it
             assert engine.experts.cache.version > 3
         # One decode step's logits, eager and replayed, after the same prefill; the eager step without
         # its end, so its attention reads every slot (the unwritten ones masked) as the capture does.

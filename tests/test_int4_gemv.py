@@ -2,9 +2,10 @@
 
 On a GPU (the gpu tier): one token times a matrix, the grouped kernel over several matrices found
 through a table of addresses (bit for bit the single kernel's numbers), the same read in place from
-pinned host memory, and the decoder. Without a GPU, where Triton is installed, the same checks run
-in Triton's interpreter on the CPU (in a subprocess, since the interpreter is chosen when the
-kernels are first compiled); where it is not, they skip.
+pinned host memory, the decoder, and the row copies a captured step's fetch makes. Without a GPU,
+where Triton is installed, the same checks run in Triton's interpreter on the CPU (in a
+subprocess, since the interpreter is chosen when the kernels are first compiled); where it is
+not, they skip.
 """
 
 from __future__ import annotations
@@ -63,15 +64,42 @@ def check_kernels(device: str) -> None:
             assert torch.equal(int4_gemv.grouped(xs, host, rows, cols, group), single), (rows, cols, group)
 
 
+def check_copy_rows(device: str) -> None:
+    """copy_rows moves the flagged rows whole, from the device or (on CUDA) pinned host memory, and
+    leaves every other byte of the target alone: rows longer than one program's stretch, a
+    stretch cut short, rows in a shuffled order."""
+    from gemmactl.runtime.engine import int4_gemv
+
+    nbytes = 2 * int4_gemv.ROW_COPY_PER * 4 + 48  # two programs' stretches and 12 words of a third
+    generator = torch.Generator().manual_seed(5)
+    source = torch.randint(0, 256, (4, nbytes), dtype=torch.uint8, generator=generator)
+    sources = [source.to(device)] + ([source.pin_memory()] if device == "cuda" else [])
+    for rows in sources:
+        target = torch.zeros((5, nbytes), dtype=torch.uint8, device=device)
+        picks, into = [2, 0, 3, 1], [1, 4, 0, 2]
+        flags = torch.tensor([True, False, True, True], device=device)
+        int4_gemv.copy_rows(torch.tensor([rows[r].data_ptr() for r in picks], dtype=torch.int64, device=device),
+                            torch.tensor([target[j].data_ptr() for j in into], dtype=torch.int64, device=device),
+                            flags, nbytes, target.view(torch.int32))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        expected = torch.zeros_like(target)
+        for r, j, flag in zip(picks, into, flags.tolist()):
+            if flag:
+                expected[j] = source[r].to(device)
+        assert torch.equal(target, expected)
+
+
 @pytest.mark.gpu
 def test_gpu_int4_kernels_match_the_dequantized_matrix_and_each_other():
     check_kernels("cuda")
+    check_copy_rows("cuda")
 
 
 def test_int4_kernels_in_tritons_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed here (it ships with torch's CUDA builds)")
     root = Path(__file__).resolve().parents[1]
-    code = "import test_int4_gemv as t; t.check_kernels('cpu')"
+    code = "import test_int4_gemv as t; t.check_kernels('cpu'); t.check_copy_rows('cpu')"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root / "tests"), str(root)])}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -602,17 +602,23 @@ class MoEBlock:
             out.add_((y * ranked[:, j:j + 1]).to(out.dtype))
         return out
 
-    def table_sum(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def table_sum(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                  fetched=None) -> torch.Tensor:
         """The experts' sum for one token x [1, H] with no host decision in it (graph_moe.TableDecode
         captures the whole step): each chosen expert is read where the device table says it lies,
         a cache slot or its pinned host row (read in place over the link), by the grouped int4
         kernel, one launch for the k gate_up products and one for the k down products. The chosen
-        experts go to the step's record for the host's bookkeeping after the token. The same
-        products, added in the same ascending order, as combine() computes."""
+        experts go to the step's record for the host's bookkeeping after the token. fetched: a
+        function (order, entries) → entries, where the step fetched guessed experts into ahead rows
+        (MoEExperts.fetched_entries). The same products, added in the same ascending order, as
+        combine() computes."""
         table = self.table  # set by MoEExperts.enable_table: [E, 6] addresses of this layer's experts
         order, where = torch.sort(experts[0])  # ascending experts, and the top-k slot each came from
         self.record.copy_(order)
-        y = self.store.arena.addresses_forward(table.index_select(0, order), x)  # [k, H]
+        entries = table.index_select(0, order)
+        if fetched is not None:
+            entries = fetched(order, entries)
+        y = self.store.arena.addresses_forward(entries, x)  # [k, H]
         ranked = weights[:, where]  # [1, k]
         out = torch.zeros_like(x)
         for j in range(self.top_k):
@@ -633,6 +639,24 @@ class MoEBlock:
         if slot is not None:
             linears = store.slots[slot] = store.keep(slot, linears)
         return expert_forward(linears, x)
+
+
+ADMIT_ENV = "GEMMACTL_ENGINE_TABLE_ADMIT"  # the whole step's admissions a token: a number (default: every one)
+
+
+def admit_budget() -> int | None:
+    """How many misses a token the whole step's cache may admit (ADMIT_ENV; None: as many as its
+    policy admits). There a miss is read over the link inside the step and each admission crosses
+    it again beside the next step, so with a router that spreads its experts the admissions can
+    move as many bytes as the step itself (measurements: benchmarks/engine_capped.py)."""
+    import os
+
+    value = os.environ.get(ADMIT_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{ADMIT_ENV}={value!r}: give a whole number of admissions a token, or leave it unset")
+    return int(value)
 
 
 class MoEExperts:
@@ -685,6 +709,8 @@ class MoEExperts:
         if settings.miss:
             self.rule = MissRule(self.rule.link_bytes_s, self.rule.host_bytes_s, self.rule.host_latency_s, settings.miss)
         self.prefetch, self._prefetched, self.blocks = settings.prefetch, set(), []
+        self.fetching = False  # the whole step's fetch ahead (enable_table)
+        self.admit_budget, self._flushes = admit_budget(), 0  # the whole step's admissions (keep_record)
         self.eps, self.hidden = model.spec.eps, model.spec.hidden
 
     def _make_homes(self, progress) -> None:
@@ -731,14 +757,17 @@ class MoEExperts:
         self.per_layer = max(expert for _, expert in self.store.records) + 1
         self.table = torch.zeros((len(self.blocks) * self.per_layer, 6), dtype=torch.int64, device=device)
         self.record = torch.zeros((len(self.blocks), self.top_k), dtype=torch.int64, device=device)
-        self.record_host = torch.zeros_like(self.record, device="cpu").pin_memory()
+        # Two host copies of the record, in turn: a step's is read while the next one runs.
+        self.record_host = torch.zeros((2, *self.record.shape), dtype=torch.int64).pin_memory()
         self.index = {block.layer: i for i, block in enumerate(self.blocks)}
         for i, block in enumerate(self.blocks):
             block.table = self.table[i * self.per_layer:(i + 1) * self.per_layer]
             block.record = self.record[i]
         self._host_addresses = {key: arena.addresses(arena.rows[key], on_device=False) for key in self.store.records}
         self._slot_addresses = [arena.addresses(slot, on_device=True) for slot in range(self.cache.capacity)]
-        self._pending = None  # the event after a replay whose record is not yet read
+        self._pending: list = []  # (the event after a replay, its host copies) whose record is not yet read
+        self._replays = 0
+        self._evictions_done = None  # after the last evictions' table writes (write buffer 0 free again)
         self._side_done = None  # the last admissions' copies and table writes
         # Table writes go through buffers made once (a step allocates nothing): [0] on the compute
         # stream, [1] on the arena's; at most every expert of a step evicted and admitted.
@@ -747,7 +776,72 @@ class MoEExperts:
         self._values_host = torch.zeros((2, most, 6), dtype=torch.int64).pin_memory()
         self._rows_device = torch.zeros((2, most), dtype=torch.int64, device=device)
         self._values_device = torch.zeros((2, most, 6), dtype=torch.int64, device=device)
+        self.fetching = bool(self.prefetch and arena.ahead_count >= self.top_k)
+        if self.fetching:
+            self._enable_fetch()
         self.rebuild_table()
+
+    def _enable_fetch(self) -> None:
+        """The state of the whole step's fetch ahead (graph_moe.TableDecode): for every table row,
+        its expert's pinned host row (where a copy reads it) and that row's first address (an entry
+        still equal to it is read over the link); each block's fetched experts ([blocks, k], -1
+        where none), for the next block's lookups and the host's counts; the two sets of ahead rows
+        the blocks fill in turn (their bases and table entries); a stream for the copies."""
+        arena, device, k = self.store.arena, self.store.device, self.top_k
+        keys = sorted(self.store.records, key=self._row_of)
+        rows = torch.tensor([self._row_of(key) for key in keys], dtype=torch.int64)
+        self.host_base = torch.zeros(len(self.table), dtype=torch.int64)
+        self.host_base[rows] = torch.tensor([arena.host_ptrs[arena.rows[key]] for key in keys], dtype=torch.int64)
+        self.host_first = torch.zeros(len(self.table), dtype=torch.int64)
+        self.host_first[rows] = torch.tensor([self._host_addresses[key][0] for key in keys], dtype=torch.int64)
+        self.host_base, self.host_first = self.host_base.to(device), self.host_first.to(device)
+        self.fetched = torch.full((len(self.blocks), k), -1, dtype=torch.int64, device=device)
+        self.fetched_host = torch.zeros((2, *self.fetched.shape), dtype=torch.int64).pin_memory()
+        self._guess = torch.zeros_like(self.fetched)
+        ahead = [[arena.ahead + s * arena.ahead_count + j for j in range(k)] for s in range(2)]
+        self.ahead_base = torch.tensor([[arena.on_device[row].data_ptr() for row in rows_] for rows_ in ahead],
+                                       dtype=torch.int64, device=device)  # [2, k]
+        self.ahead_entries = torch.tensor([[arena.addresses(row, on_device=True) for row in rows_] for rows_ in ahead],
+                                          dtype=torch.int64, device=device)  # [2, k, 6]
+        self.anchor = arena.on_device.view(torch.int32)
+        self.fetch_stream = torch.cuda.Stream(device)
+        self._fetch_done: dict = {}  # block index → the event its fetch recorded
+
+    def fetch(self, block: MoEBlock, guess: torch.Tensor) -> None:
+        """Inside the whole step, on the fetch stream: copy the experts guess [k] (the block's router
+        applied to the previous MoE layer's residual stream) whose table entries say they are read
+        over the link into this block's set of ahead rows, and note them in self.fetched; the block's
+        table_sum then reads them there (fetched_entries). Nothing in the cache changes: which
+        experts the cache holds, and so its counts, are those without the fetch. The copies run
+        beside the previous block's experts; the set they fill was last read two blocks before."""
+        from gemmactl.runtime.engine.int4_gemv import copy_rows
+
+        i = self.index[block.layer]
+        compute = torch.cuda.current_stream(self.store.device)
+        self._guess[i].copy_(guess)  # kept: nothing the copy stream reads is freed on the compute stream
+        self.fetch_stream.wait_stream(compute)  # the guess, and the set's last reader
+        with torch.cuda.stream(self.fetch_stream):
+            rows = i * self.per_layer + self._guess[i]
+            guess = self._guess[i]
+            remote = self.table.index_select(0, rows)[:, 0] == self.host_first.index_select(0, rows)  # [k]
+            self.fetched[i].copy_(torch.where(remote, guess, -1))
+            copy_rows(self.host_base.index_select(0, rows), self.ahead_base[i % 2], remote,
+                      self.store.arena.row_bytes, self.anchor)
+            done = torch.cuda.Event()
+            done.record(self.fetch_stream)
+        self._fetch_done[i] = done
+
+    def fetched_entries(self, block: MoEBlock, order: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """The table entries [k, 6] of the block's experts order [k], with the ones its fetch copied
+        in pointing at their ahead rows (after waiting for the fetch's copies)."""
+        i = self.index[block.layer]
+        done = self._fetch_done.pop(i, None)
+        if done is None:
+            return entries
+        torch.cuda.current_stream(self.store.device).wait_event(done)
+        match = order[:, None] == self.fetched[i][None, :]  # [k, k]: order[j] fetched into ahead row m
+        where = match.to(torch.int8).argmax(dim=1)
+        return torch.where(match.any(dim=1, keepdim=True), self.ahead_entries[i % 2].index_select(0, where), entries)
 
     def _row_of(self, key) -> int:
         layer, expert = key
@@ -778,44 +872,39 @@ class MoEExperts:
         """After a replay of the whole step: its record is read back, and acted on, at the next
         step (the caller has read the token by then, so the wait costs nothing)."""
         done = torch.cuda.Event()
-        self.record_host.copy_(self.record, non_blocking=True)
+        turn = self._replays % 2
+        self._replays += 1
+        self.record_host[turn].copy_(self.record, non_blocking=True)
+        if self.fetching:
+            self.fetched_host[turn].copy_(self.fetched, non_blocking=True)
         done.record(torch.cuda.current_stream(self.store.device))
         self.store.arena.graph_done = done
-        self._pending = done
+        self._pending.append((done, turn))
 
     def flush(self) -> None:
         """Count the last replayed step's experts, and queue what the cache decided: the evicted
         experts' entries back to their host rows (on the compute stream, before the next replay),
         then the admitted experts' copies and their entries (on the arena's stream, overlapping the
         next step: until an entry is written the step reads that expert from its host row)."""
-        if getattr(self, "_pending", None) is None:
-            return
-        with torch.inference_mode():  # the slots and the table are inference tensors
-            self._flush()
+        self.flush_behind(0)
 
-    def _flush(self) -> None:
-        self._pending.synchronize()
-        self._pending = None
-        chosen = self.record_host.tolist()
+    def flush_behind(self, keep: int) -> None:
+        """flush() for every replayed step but the last `keep`: with keep 1, called right after a
+        replay is launched, the step before it is counted and its admissions queued while this one
+        runs, so the host's bookkeeping is off the step's path (its evictions' table writes follow
+        this replay on the compute stream and the admissions' copies wait for them: nothing this
+        replay reads is overwritten)."""
+        pending = getattr(self, "_pending", None) or []
+        while len(pending) > keep:
+            with torch.inference_mode():  # the slots and the table are inference tensors
+                self._flush(*pending.pop(0))
+
+    def _flush(self, done, turn: int) -> None:
+        done.synchronize()
+        chosen = self.record_host[turn].tolist()
+        fetched = self.fetched_host[turn].tolist() if self.fetching else [[]] * len(chosen)
+        evicted, admitted = self.keep_record(chosen, fetched)
         cache, counters, store, arena = self.cache, self.counters, self.store, self.store.arena
-        evicted, admitted = [], []
-        for block, experts in zip(self.blocks, chosen):
-            held = {(block.layer, expert) for expert in experts}
-            counters.tokens += 1
-            counters.decode_tokens += 1
-            for expert in experts:
-                key = (block.layer, expert)
-                if block._lookup(key) is not None:
-                    continue
-                counters.copied += 1  # read over the link, in place
-                counters.copied_bytes += store.stored_bytes
-                counters.decode_bytes += store.stored_bytes
-                slot, gone = cache.admit(key, keep=held)
-                if slot is None:
-                    continue
-                if gone is not None:
-                    evicted.append(gone)
-                admitted.append((key, slot))
         if not evicted and not admitted:
             return
         # Every key whose slot changed points at its host row first (one evicted and admitted again
@@ -826,8 +915,10 @@ class MoEExperts:
         compute = torch.cuda.current_stream(store.device)
         if self._side_done is not None:  # the last admissions' writes land before these (and free buffer 1)
             self._side_done.synchronize()
+        if self._evictions_done is not None:  # buffer 0's last writes have read it
+            self._evictions_done.synchronize()
         self._write(0, touched, [self._host_addresses[key] for key in touched])
-        before = torch.cuda.Event()
+        before = self._evictions_done = torch.cuda.Event()
         before.record(compute)
         with torch.cuda.stream(arena.stream):
             arena.stream.wait_event(before)
@@ -841,6 +932,45 @@ class MoEExperts:
         for _, slot in placed:  # an eager step reading the slot waits for its copy
             arena.ready[slot] = self._side_done
         self.table_version = cache.version
+
+    def keep_record(self, chosen: list, fetched: list) -> tuple[list, list]:
+        """The host's side of a whole step's record: for each block, its chosen experts (k) and those
+        its fetch copied into ahead rows (k, -1 where none). Counts the lookups, hits, misses and
+        bytes over the link (a fetched expert's when fetched, another miss's as read in place) and
+        admits the misses by the cache's policy, at most admit_budget a token (the blocks then
+        take turns to go first): (evicted keys, [(admitted key, slot)])."""
+        cache, counters, store = self.cache, self.counters, self.store
+        evicted, admitted = [], []
+        first = self._flushes % len(self.blocks) if self.admit_budget is not None else 0
+        self._flushes += 1
+        rows = list(zip(self.blocks, chosen, fetched))
+        for block, experts, ahead in rows[first:] + rows[:first]:
+            held = {(block.layer, expert) for expert in experts}
+            ahead = {expert for expert in ahead if expert >= 0}
+            counters.tokens += 1
+            counters.decode_tokens += 1
+            counters.prefetched += len(ahead)
+            counters.copied_bytes += len(ahead) * store.stored_bytes
+            counters.decode_bytes += len(ahead) * store.stored_bytes
+            for expert in experts:
+                key = (block.layer, expert)
+                if block._lookup(key) is not None:
+                    continue
+                counters.copied += 1
+                if expert in ahead:  # read in its ahead row, over the link already
+                    counters.prefetch_hits += 1
+                else:  # read over the link, in place
+                    counters.copied_bytes += store.stored_bytes
+                    counters.decode_bytes += store.stored_bytes
+                if self.admit_budget is not None and len(admitted) >= self.admit_budget:
+                    continue  # not kept: each admission crosses the link again, beside the next step
+                slot, gone = cache.admit(key, keep=held)
+                if slot is None:
+                    continue
+                if gone is not None:
+                    evicted.append(gone)
+                admitted.append((key, slot))
+        return evicted, admitted
 
     def _write(self, buffer: int, keys: list, entries: list) -> None:
         """Queue table writes on the current stream through write buffer `buffer` (its last writes

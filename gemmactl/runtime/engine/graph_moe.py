@@ -222,14 +222,23 @@ class TableDecode:
     experts, here the device finds each chosen expert in a table of addresses (MoEExperts.table:
     for each expert, its cache slot or its pinned host row) and the grouped int4 kernel reads it
     there, in place (MoEBlock.table_sum). A miss is read over the link once, inside the step; the
-    host keeps the cache after the step, from the step's record of chosen experts: counts, hits,
-    and the policy's admissions, whose copies run on a side stream beside the next step and whose
-    table entries are written when their copies land (MoEExperts.flush). The token's sync is the
+    host keeps the cache from the step's record of chosen experts while the next step runs:
+    counts, hits, and the policy's admissions, whose copies run on a side stream and whose table
+    entries are written when their copies land (MoEExperts.flush_behind). The token's sync is the
     step's only wait for the host. Only where the experts are in the grouped kernel's layout
     (runtime/engine/kernels.py), on CUDA, every layer resident, and asked for
     (`GEMMACTL_ENGINE_MOE=table`): a miss read in place crosses the link at about half the copy
     engine's rate, so with a uniform router (26B-A4B shape, 4 GiB, H200) it decoded 22.2 tok/s
-    against the pieces' 28.3; with a skewed one, 35.2 against 33.5 (docs/benchmarks.md).
+    against the pieces' 28.3; with a skewed one, 35.2 against 33.5 (docs/benchmarks.md; measured
+    before the grouped kernel read its codes in vectors and without the fetch below).
+
+    With prefetch (the arena then has two sets of ahead rows), each MoE layer also applies the next
+    MoE layer's router to its residual stream, as the pieces do, and a copy kernel on a second
+    stream fetches the guessed experts that the table says are on the host into that layer's set of
+    ahead rows while this layer's experts compute (MoEExperts.fetch); the next layer reads a
+    fetched expert there and any other where the table says (fetched_entries). So most misses
+    cross the link beside the compute rather than in the experts' own kernel, still with no host
+    decision in the step.
     """
 
     def __init__(self, model):
@@ -243,7 +252,13 @@ class TableDecode:
             self.x, self.per_layer = model.embed_tokens(self.token)  # the graph's static inputs
 
         def table(call):
-            return call.block.table_sum(call.x, call.weights, call.experts)
+            block = call.block
+            if not experts.fetching:
+                return block.table_sum(call.x, call.weights, call.experts)
+            if block.next is not None:  # the next layer's guessed misses cross while these experts compute
+                experts.fetch(block.next, block.next.route(call.residual)[1][0])
+            return block.table_sum(call.x, call.weights, call.experts,
+                                   fetched=lambda order, entries: experts.fetched_entries(block, order, entries))
 
         body = lambda: model.forward(self.x, self.per_layer, self.position, experts_of=table)  # noqa: E731
         self.graph, self.logits = capture_body(body, warmups=2)  # logits [V]
@@ -254,13 +269,14 @@ class TableDecode:
     def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
         """Logits [V] after token (a 0-dim or [1] tensor on the device) at position."""
         experts = self.model.experts
-        experts.flush()  # the previous step's bookkeeping (its token was read: nothing to wait for)
         if experts.table_version != experts.cache.version:  # an eager step (prefill) moved experts
+            experts.flush()
             experts.rebuild_table()
         self.token.copy_(token.reshape(1))
         self.position.fill_(position)
         fill_rows(self.model, self.token, self.x, self.per_layer)
         self.graph.replay()
         experts.replayed()
+        experts.flush_behind(1)  # the previous step's bookkeeping, while this one runs
         return self.logits
 

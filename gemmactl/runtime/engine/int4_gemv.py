@@ -135,6 +135,31 @@ def _(x, addresses, out_features, in_features, group_size):
     return x.new_empty((addresses.shape[0], out_features))
 
 
+# copy_rows: words a program moves per turn of its loop (8 KiB), and in all (64 KiB: a 26B-A4B
+# expert's 3.7 MB row in 57 programs, so many reads are in flight over the link at once).
+ROW_COPY_BLOCK = 2048
+ROW_COPY_PER = 16384
+
+
+def copy_rows(sources: torch.Tensor, targets: torch.Tensor, flags: torch.Tensor, nbytes: int,
+              anchor: torch.Tensor) -> None:
+    """Copy M rows of nbytes each on the device: row m from the address sources[m] to targets[m]
+    ([M] int64), where flags[m] ([M] bool) is set. A source may be a pinned host row, read in place
+    over the link. Which rows move is decided on the device, so this runs inside a captured step
+    (graph_moe.TableDecode's fetch of the next layer's guessed experts): a copy node's addresses are
+    fixed when it is captured and the copy engine cannot be told on the device what to move, so a
+    kernel does it, in Triton (the project's kernels' language) rather than hand-written CUDA.
+    nbytes is a multiple of 16 and every address 16-byte aligned; anchor is an int32 tensor that
+    the addresses are taken relative to (any 16-byte aligned one: the arena's device rows)."""
+    import triton
+
+    from gemmactl.runtime.engine import int4_triton
+
+    words = nbytes // 4
+    int4_triton.copy_rows[(sources.shape[0], triton.cdiv(words, ROW_COPY_PER))](
+        sources, targets, flags, anchor, words, ROW_COPY_PER, BLOCK=ROW_COPY_BLOCK, num_warps=4)
+
+
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, in_features: int,
                dtype: torch.dtype) -> torch.Tensor:
     """The matrix [out, in] in dtype, decoded on the device in one launch (several tokens' path:

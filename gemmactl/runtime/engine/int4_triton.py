@@ -88,3 +88,20 @@ def int4_dequantize(q_ptr, s_ptr, z_ptr, w_ptr, N, K, G, stride_q, stride_s, str
              mask=keep & (even < K)[None, :, :])
     tl.store(out + 1, ((codes >> 4).to(tl.float32) * scale + zero).to(w_ptr.dtype.element_ty),
              mask=keep & (even + 1 < K)[None, :, :])
+
+@triton.jit
+def copy_rows(src_ptr, dst_ptr, flag_ptr, anchor_ptr, WORDS, PER, BLOCK: tl.constexpr):
+    # Program (row m, stretch of PER words): copy row m's WORDS 32-bit words from the address at
+    # src_ptr + m to the one at dst_ptr + m where flag_ptr + m is set (a pinned host row is read in
+    # place over the link). Addresses are found from anchor_ptr plus offsets promised to be
+    # multiples of 16 bytes, as int4_gemv_grouped finds its tensors, so the words move in vectors.
+    m = tl.program_id(0)
+    words = tl.where(tl.load(flag_ptr + m).to(tl.int32) != 0, WORDS, 0)  # nothing to move where unflagged
+    at = anchor_ptr.to(tl.int64)
+    src = anchor_ptr + tl.multiple_of((tl.load(src_ptr + m) - at) // 4, 4)
+    dst = anchor_ptr + tl.multiple_of((tl.load(dst_ptr + m) - at) // 4, 4)
+    first = tl.program_id(1) * PER
+    for offset in range(0, PER, BLOCK):
+        i = first + offset + tl.arange(0, BLOCK)
+        ok = i < words
+        tl.store(dst + i, tl.load(src + i, mask=ok), mask=ok)
