@@ -352,7 +352,7 @@ def test_a_whole_steps_record_is_counted_as_its_reads_and_admitted_within_the_bu
     moves nothing; a miss the step's fetch brought in is a prefetch hit, its bytes counted once
     when fetched (a fetched expert never used counts too); any other miss is read in place and
     counted so. Misses are admitted by the policy, or at most GEMMACTL_ENGINE_TABLE_ADMIT a token,
-    the layers taking turns to go first."""
+    the layers taking turns to go first (a value that is not a number: the default)."""
     from gemmactl.runtime.engine.experts import ADMIT_ENV
 
     monkeypatch.delenv(ADMIT_ENV, raising=False)
@@ -380,9 +380,8 @@ def test_a_whole_steps_record_is_counted_as_its_reads_and_admitted_within_the_bu
         assert len(admitted) == 3
         firsts.append(admitted[0][0][0])  # the layer that went first
     assert firsts == [experts.blocks[0].layer, experts.blocks[1].layer]
-    monkeypatch.setenv(ADMIT_ENV, "some")
-    with pytest.raises(ValueError, match=ADMIT_ENV):
-        _engine(moe_artifact, ExpertSettings(cache_bytes=None, policy="lru"))
+    monkeypatch.setenv(ADMIT_ENV, "some")  # a measurement knob: anything else is the default
+    assert _engine(moe_artifact, ExpertSettings(cache_bytes=None, policy="lru")).experts.admit_budget is None
 
 
 def test_an_moe_step_is_captured_in_pieces_on_cuda_unless_turned_off(monkeypatch):
