@@ -27,7 +27,8 @@ each MoE layer's experts computed on the CPU beside the GPU's cache; "auto" is t
 reading each expert in its row, the default; copies: every expert copied into staging rows; a
 mode with `/torch`, e.g. `pieces/torch`, has the arena's copies queued by torch's copy_ rather
 than the driver's calls, GEMMACTL_ENGINE_COPIES=torch; `/fused` and `/unfused` fuse the pieces by
-torch.compile before capture or not, GEMMACTL_ENGINE_COMPILE=on or off);
+torch.compile before capture or not, GEMMACTL_ENGINE_COMPILE=on or off; `table/admitN` is the whole
+step admitting at most N of a token's misses, GEMMACTL_ENGINE_TABLE_ADMIT=N);
 `--runs prefetch` runs the engine again without prefetch (`--no-expert-prefetch`), and
 `--runs no-host` runs it again with no layer on the CPU (GEMMACTL_PLAN_HOST_LAYERS=off: the layers
 that do not fit all stream), beside the plan's own split between the link and the CPU.
@@ -164,7 +165,8 @@ def main() -> None:
                         help="with --runs modes: GEMMACTL_ENGINE_MOE values, comma-separated (pieces: the captured "
                              "step reading each expert in its row; copies: every expert copied into staging rows; "
                              "table: one graph; MODE/torch: the copies queued by torch's copy_; MODE/fused, "
-                             "MODE/unfused: the pieces fused by torch.compile or not)")
+                             "MODE/unfused: the pieces fused by torch.compile or not; table/admitN: at most N "
+                             "admissions a token)")
     parser.add_argument("--rounds", type=int, default=3, help="with --runs rounds: how many engine/llama-bench pairs")
     parser.add_argument("--zipf", type=float, help="skew the engine's MoE routers: Zipf S over each layer's experts")
     args = parser.parse_args()
@@ -248,6 +250,7 @@ def main() -> None:
 
     if "modes" in runs:
         from gemmactl.runtime.engine.device_copies import COPIES_ENV
+        from gemmactl.runtime.engine.experts import ADMIT_ENV
         from gemmactl.runtime.engine.graph import COMPILE_ENV, MOE_ENV
 
         def mode_env(mode: str) -> dict:
@@ -255,6 +258,9 @@ def main() -> None:
             env = {MOE_ENV: moe, COPIES_ENV: "torch" if "torch" in parts else "driver"}
             if "fused" in parts or "unfused" in parts:
                 env[COMPILE_ENV] = "on" if "fused" in parts else "off"
+            for part in parts:  # table/admitN: at most N of a token's misses admitted
+                if part.startswith("admit") and part[5:].isdigit():
+                    env[ADMIT_ENV] = part[5:]
             return env
 
         result["modes"] = {mode: run_tier("engine", f"engine-moe-{mode.replace('/', '-')}", env=mode_env(mode))
