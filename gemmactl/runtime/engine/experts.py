@@ -900,6 +900,9 @@ class MoEExperts:
         done.synchronize()
         chosen = self.record_host[turn].tolist()
         fetched = self.fetched_host[turn].tolist() if self.fetching else [[]] * len(chosen)
+        # Whether the table follows the cache before this record: an eager step (a prefill) since
+        # the replay may have moved experts, and then only rebuild_table makes them agree again.
+        synced = self.table_version == self.cache.version
         evicted, admitted = self.keep_record(chosen, fetched)
         cache, counters, store, arena = self.cache, self.counters, self.store, self.store.arena
         if not evicted and not admitted:
@@ -928,7 +931,8 @@ class MoEExperts:
             self._side_done.record(arena.stream)
         for _, slot in placed:  # an eager step reading the slot waits for its copy
             arena.ready[slot] = self._side_done
-        self.table_version = cache.version
+        if synced:  # else left behind, so the next replay rebuilds the table first
+            self.table_version = cache.version
 
     def keep_record(self, chosen: list, fetched: list) -> tuple[list, list]:
         """The host's side of a whole step's record: for each block, its chosen experts (k) and those
